@@ -1,0 +1,166 @@
+"""The primitive: decayed causal linear attention, and its public function.
+
+    LA(q, k, v)_t = sum_{j<=t} exp(A_t - A_j) (q_t . k_j) v_j
+    h_t = exp(a_t) h_{t-1} + k_t v_t^T,   o_t = q_t^T h_t
+
+Three layers, as in fla: :func:`local_primitive` (one process, packed documents,
+carries), :func:`primitive` (routes to sequence parallelism when ``sp`` is given) and
+:func:`linear_attention` (validation, scale, the documented public call).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from hla_sp.ops import validate
+from hla_sp.ops.chunk import carry_term, segment_summary
+from hla_sp.ops.dispatch import chunk_impl
+
+if TYPE_CHECKING:
+    from hla_sp.parallel import SequenceParallel
+
+DEFAULT_CHUNK_SIZE = 64
+
+
+def local_primitive(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    h0: torch.Tensor | None = None,
+    want_final: bool = False,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The primitive on one process, from validated inputs.
+
+    Args:
+        q: [B, T, H, K], already scaled. k: [B, T, H, K]. v: [B, T, H, V].
+        g: [B, T, H] log-decay or None.
+        cu_seqlens: int64 CPU tensor [N + 1] of document offsets (B == 1), or None.
+        h0: [N, H, K, V] initial state per sequence (N = B without cu_seqlens), or None.
+        want_final: also return the final state of each sequence.
+
+    Returns:
+        o: [B, T, H, V] in q's dtype; final: [N, H, K, V] (fp32, or fp64 for fp64
+        inputs) or None.
+    """
+    impl = chunk_impl(q)
+    if cu_seqlens is None:
+        o, h_last = impl(q, k, v, g, h0=h0, chunk_size=chunk_size)
+        return o.to(q.dtype), (h_last if want_final else None)
+
+    T = q.shape[1]
+    bounds = cu_seqlens.tolist()
+    resets = torch.zeros(1, T, dtype=torch.bool, device=q.device)
+    resets[0, bounds[1:-1]] = True
+    # The first document's initial state is the carry into position 0; the others
+    # are added to their documents afterwards (their starts cut the chunk carry).
+    o, h_last = impl(
+        q, k, v, g, resets=resets, h0=None if h0 is None else h0[:1], chunk_size=chunk_size
+    )
+    docs = list(zip(bounds[:-1], bounds[1:]))
+
+    def piece(x: torch.Tensor | None, s: int, e: int) -> torch.Tensor | None:
+        return None if x is None else x[:, s:e]
+
+    if h0 is not None and len(docs) > 1:
+        parts = [o[:, : docs[1][0]]]
+        for i, (s, e) in enumerate(docs[1:], start=1):
+            parts.append(o[:, s:e] + carry_term(q[:, s:e], piece(g, s, e), h0[i : i + 1]))
+        o = torch.cat(parts, dim=1)
+    final = None
+    if want_final:
+        states = []
+        for i, (s, e) in enumerate(docs[:-1]):
+            h, a = segment_summary(k[:, s:e], v[:, s:e], piece(g, s, e))
+            if h0 is not None:
+                h = h + torch.exp(a)[..., None, None] * h0[i : i + 1].to(h.dtype)
+            states.append(h)
+        if h0 is not None and len(docs) > 1:
+            # The chunk scan saw the last document's start as a cut; add its carry.
+            s = docs[-1][0]
+            a = g[:, s:].to(h_last.dtype).sum(1) if g is not None else torch.zeros_like(h_last[..., 0, 0])
+            h_last = h_last + torch.exp(a)[..., None, None] * h0[-1:].to(h_last.dtype)
+        states.append(h_last)
+        final = torch.cat(states, dim=0)
+    return o.to(q.dtype), final
+
+
+def primitive(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    h0: torch.Tensor | None = None,
+    want_final: bool = False,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    sp: SequenceParallel | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`local_primitive`, or its sequence-parallel form when ``sp`` is given.
+
+    Under ``sp`` each rank passes its shard; ``cu_seqlens`` and ``h0`` are global.
+    """
+    if sp is None:
+        return local_primitive(
+            q, k, v, g, cu_seqlens=cu_seqlens, h0=h0, want_final=want_final, chunk_size=chunk_size
+        )
+    from hla_sp.parallel.primitive import sp_primitive
+
+    return sp_primitive(
+        q, k, v, g, cu_seqlens=cu_seqlens, h0=h0, want_final=want_final, chunk_size=chunk_size, sp=sp
+    )
+
+
+def linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    log_decay: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    sp: SequenceParallel | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Decayed causal linear attention (first order).
+
+    Args:
+        q, k: [B, T, H, K]. v: [B, T, H, V].
+        log_decay: broadcasts to [B, T, H], values <= 0; shape [H] is a per-head constant.
+        scale: multiplies q; default K ** -0.5.
+        initial_state: [B, H, K, V], or [N, H, K, V] with cu_seqlens.
+        output_final_state: also return the final state (same shape, fp32 or fp64).
+        cu_seqlens: [N + 1] offsets of packed documents (B == 1).
+        sp: a :class:`hla_sp.SequenceParallel`; each rank passes its shard.
+        chunk_size: chunk length of the chunk-parallel path (a power of two).
+
+    Returns:
+        (o [B, T, H, V] in q's dtype, final state or None)
+    """
+    inputs = validate.check_inputs(
+        q, k, v, log_decay=log_decay, scale=scale, cu_seqlens=cu_seqlens, sp=sp,
+        chunk_size=chunk_size,
+    )
+    shape = (inputs.n_seq, inputs.H, inputs.K, inputs.V)
+    h0 = validate.check_state("initial_state", initial_state, shape, inputs.q)
+    if sp is not None:
+        sp.check_call(inputs, op="linear_attention", options=())
+    return primitive(
+        inputs.q * inputs.scale,
+        inputs.k,
+        inputs.v,
+        inputs.g,
+        cu_seqlens=inputs.cu_seqlens,
+        h0=h0,
+        want_final=output_final_state,
+        chunk_size=inputs.chunk_size,
+        sp=sp,
+    )

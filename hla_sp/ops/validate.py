@@ -1,0 +1,216 @@
+"""Input checks shared by every public operator.
+
+Every check runs before any arithmetic, and every error names the argument, what
+was expected and what was received.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _fail(exc: type[Exception], arg: str, expected: str, got: object) -> None:
+    raise exc(f"{arg}: expected {expected}, got {got}")
+
+
+def check_tensor(name: str, x: object, ndim: int, layout: str) -> torch.Tensor:
+    """Check that ``x`` is a floating tensor of rank ``ndim`` (``layout`` names the dims)."""
+    if not isinstance(x, torch.Tensor):
+        _fail(TypeError, name, "a torch.Tensor", type(x).__name__)
+    assert isinstance(x, torch.Tensor)
+    if x.dtype not in FLOAT_DTYPES:
+        _fail(TypeError, name, "a floating dtype (float16, bfloat16, float32, float64)", x.dtype)
+    if x.dim() != ndim:
+        _fail(ValueError, name, f"a {ndim}-D tensor {layout}", f"shape {tuple(x.shape)}")
+    return x
+
+
+def check_qkv(
+    q: object, k: object, v: object, *, value_name: str = "v", allow_empty: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k: [B, T, H, K]; v: [B, T, H, V]. Same dtype and device; T >= 1 unless allowed."""
+    q = check_tensor("q", q, 4, "[B, T, H, K]")
+    k = check_tensor("k", k, 4, "[B, T, H, K]")
+    v = check_tensor(value_name, v, 4, "[B, T, H, V]")
+    if k.shape != q.shape:
+        _fail(ValueError, "k", f"shape {tuple(q.shape)} (the shape of q)", f"{tuple(k.shape)}")
+    if v.shape[:3] != q.shape[:3]:
+        _fail(
+            ValueError,
+            value_name,
+            f"leading dims [B, T, H] = {tuple(q.shape[:3])} (those of q)",
+            f"{tuple(v.shape[:3])}",
+        )
+    for name, x in (("k", k), (value_name, v)):
+        if x.dtype != q.dtype:
+            _fail(TypeError, name, f"dtype {q.dtype} (the dtype of q)", x.dtype)
+        if x.device != q.device:
+            _fail(ValueError, name, f"device {q.device} (the device of q)", x.device)
+    if q.shape[1] == 0 and not allow_empty:
+        _fail(ValueError, "q", "a sequence length T >= 1", "T = 0")
+    if q.shape[0] == 0 or q.shape[2] == 0 or q.shape[3] == 0 or v.shape[3] == 0:
+        _fail(ValueError, "q", "non-zero B, H, K and V", f"q {tuple(q.shape)}, v {tuple(v.shape)}")
+    return q, k, v
+
+
+def check_scale(scale: float | None, head_dim: int) -> float:
+    """Return the query scale, defaulting to K ** -0.5."""
+    if scale is None:
+        return head_dim**-0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        _fail(TypeError, "scale", "a float or None", type(scale).__name__)
+    return float(scale)
+
+
+def check_log_decay(
+    log_decay: object, q: torch.Tensor, *, check_values: bool = True
+) -> torch.Tensor | None:
+    """Broadcast ``log_decay`` to [B, T, H]; an [H] tensor is a per-head constant.
+
+    Values must be <= 0 (gamma = exp(a) <= 1), so every state stays bounded.
+    """
+    if log_decay is None:
+        return None
+    B, T, H, _ = q.shape
+    if not isinstance(log_decay, torch.Tensor):
+        _fail(TypeError, "log_decay", "a torch.Tensor or None", type(log_decay).__name__)
+    assert isinstance(log_decay, torch.Tensor)
+    if not log_decay.is_floating_point():
+        _fail(TypeError, "log_decay", "a floating dtype", log_decay.dtype)
+    if log_decay.device != q.device:
+        _fail(ValueError, "log_decay", f"device {q.device} (the device of q)", log_decay.device)
+    try:
+        g = torch.broadcast_to(log_decay, (B, T, H))
+    except RuntimeError:
+        _fail(
+            ValueError,
+            "log_decay",
+            f"a shape that broadcasts to [B, T, H] = [{B}, {T}, {H}] (e.g. [H] or [B, T, H])",
+            f"shape {tuple(log_decay.shape)}",
+        )
+    if check_values and log_decay.numel() > 0:
+        mx = log_decay.detach().max().item()
+        if not mx <= 0.0:  # also catches NaN
+            _fail(ValueError, "log_decay", "values <= 0 (gamma = exp(log_decay) <= 1)", f"max {mx}")
+    return g
+
+
+def check_cu_seqlens(
+    cu_seqlens: object, q: torch.Tensor, *, total: int | None
+) -> torch.Tensor | None:
+    """Packed documents: int tensor [N + 1], 0 = c_0 < ... < c_N = total, with B == 1.
+
+    ``total`` is T on one process; None skips the end check (sequence parallelism,
+    where the global length is checked across ranks).
+    """
+    if cu_seqlens is None:
+        return None
+    if not isinstance(cu_seqlens, torch.Tensor):
+        _fail(TypeError, "cu_seqlens", "a 1-D integer torch.Tensor", type(cu_seqlens).__name__)
+    assert isinstance(cu_seqlens, torch.Tensor)
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        _fail(TypeError, "cu_seqlens", "dtype int32 or int64", cu_seqlens.dtype)
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        _fail(ValueError, "cu_seqlens", "a 1-D tensor of N + 1 >= 2 offsets", tuple(cu_seqlens.shape))
+    B = q.shape[0]
+    if B != 1:
+        _fail(ValueError, "q", "batch size B == 1 when cu_seqlens is given (packed layout)", f"B = {B}")
+    c = cu_seqlens.detach().cpu().long()
+    if c[0].item() != 0:
+        _fail(ValueError, "cu_seqlens", "cu_seqlens[0] == 0", f"cu_seqlens[0] = {c[0].item()}")
+    if total is not None and c[-1].item() != total:
+        _fail(
+            ValueError,
+            "cu_seqlens",
+            f"cu_seqlens[-1] == T = {total}",
+            f"cu_seqlens[-1] = {c[-1].item()}",
+        )
+    steps = c[1:] - c[:-1]
+    if (steps <= 0).any():
+        bad = int(torch.nonzero(steps <= 0)[0].item())
+        _fail(
+            ValueError,
+            "cu_seqlens",
+            "strictly increasing offsets",
+            f"cu_seqlens[{bad}] = {c[bad].item()} >= cu_seqlens[{bad + 1}] = {c[bad + 1].item()}",
+        )
+    return c
+
+
+def check_state(
+    name: str, x: object, expected: tuple[int, ...], q: torch.Tensor
+) -> torch.Tensor | None:
+    """A state tensor of an exact shape, float dtype, on q's device."""
+    if x is None:
+        return None
+    if not isinstance(x, torch.Tensor):
+        _fail(TypeError, name, f"a torch.Tensor of shape {list(expected)}", type(x).__name__)
+    assert isinstance(x, torch.Tensor)
+    if not x.is_floating_point():
+        _fail(TypeError, name, "a floating dtype", x.dtype)
+    if tuple(x.shape) != tuple(expected):
+        _fail(ValueError, name, f"shape {list(expected)}", f"shape {list(x.shape)}")
+    if x.device != q.device:
+        _fail(ValueError, name, f"device {q.device} (the device of q)", x.device)
+    return x
+
+
+def check_chunk_size(chunk_size: object) -> int:
+    """Chunk length of the chunk-parallel path: a positive power of two."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        _fail(TypeError, "chunk_size", "an int", type(chunk_size).__name__)
+    assert isinstance(chunk_size, int)
+    if chunk_size < 1 or chunk_size & (chunk_size - 1):
+        _fail(ValueError, "chunk_size", "a positive power of two", chunk_size)
+    return chunk_size
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Checked inputs of a public operator call."""
+
+    q: torch.Tensor  # [B, T, H, K]
+    k: torch.Tensor  # [B, T, H, K]
+    v: torch.Tensor  # [B, T, H, V]
+    g: torch.Tensor | None  # [B, T, H] log-decay
+    cu_seqlens: torch.Tensor | None  # [N + 1] int64 on CPU
+    scale: float
+    chunk_size: int
+    B: int
+    T: int
+    H: int
+    K: int
+    V: int
+    n_seq: int  # B, or N documents when packed
+
+
+def check_inputs(
+    q: object,
+    k: object,
+    v: object,
+    *,
+    log_decay: object,
+    scale: object,
+    cu_seqlens: object,
+    sp: object,
+    chunk_size: object,
+    value_name: str = "v",
+) -> Inputs:
+    """Every single-process check of a public call, in one place.
+
+    Under sequence parallelism (``sp`` given) a rank's shard may be empty, and
+    ``cu_seqlens`` describes the global sequence, so its end is checked against the
+    global length by the parallel layer instead.
+    """
+    q, k, v = check_qkv(q, k, v, value_name=value_name, allow_empty=sp is not None)
+    B, T, H, K = q.shape
+    sc = check_scale(scale, K)  # type: ignore[arg-type]
+    g = check_log_decay(log_decay, q)
+    cu = check_cu_seqlens(cu_seqlens, q, total=None if sp is not None else T)
+    cs = check_chunk_size(chunk_size)
+    n_seq = B if cu is None else cu.numel() - 1
+    return Inputs(q, k, v, g, cu, sc, cs, B, T, H, K, v.shape[-1], n_seq)
