@@ -1,0 +1,24 @@
+"""Shared fixtures: a cache of gloo worlds, reused across the whole session."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from hla_sp.testing import World
+
+
+@pytest.fixture(scope="session")
+def world() -> Iterator[Callable[[int], World]]:
+    """``world(P)`` returns a live P-rank gloo world, started once per session."""
+    cache: dict[int, World] = {}
+
+    def get(world_size: int) -> World:
+        if world_size not in cache:
+            cache[world_size] = World(world_size)
+        return cache[world_size]
+
+    yield get
+    for w in cache.values():
+        w.close()
