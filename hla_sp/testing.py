@@ -11,6 +11,7 @@ within its timeout kills the world (its group may be wedged) so that the next
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -118,10 +119,8 @@ class World:
         if not self._procs:
             return
         for q in self._tasks:
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 q.put(None)
-            except (OSError, ValueError):
-                pass
         for p in self._procs:
             p.join(timeout=5)
             if p.is_alive():

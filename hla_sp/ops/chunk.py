@@ -6,7 +6,8 @@ section 2) with chunks in place of ranks:
 
     summary of chunk n:   s_n = sum_j exp(b_C - b_j) k_j v_j^T,  pass factor p_n = exp(b_C)
     state after chunk n:  h_n = p_n h_{n-1} + s_n
-    output:               o_t = sum_{j<=t in chunk} exp(b_t - b_j)(q_t.k_j) v_j + exp(b_t) q_t h_{n-1}
+    output:               o_t = sum_{j<=t in chunk} exp(b_t - b_j)(q_t.k_j) v_j
+                              + exp(b_t) q_t h_{n-1}
 
 with b the within-chunk cumulative log-decay. Cost O(T C (K + V) + T K V) time and
 O(T (C + K + V)) memory. Autograd differentiates it exactly; the Triton path in
@@ -119,7 +120,7 @@ def segment_summary(
     """
     cdt = compute_dtype(k.dtype)
     k, v = k.to(cdt), v.to(cdt)
-    B, L, H, _ = k.shape
+    B, _L, H, _ = k.shape
     if g is None:
         return torch.einsum("blhk,blhv->bhkv", k, v), torch.zeros(B, H, dtype=cdt, device=k.device)
     A = g.to(cdt).cumsum(1)

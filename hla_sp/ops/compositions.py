@@ -124,7 +124,13 @@ def hla2(
         (o [B, T, H, V], HLA2State or None)
     """
     x = validate.check_inputs(
-        q, k, v, log_decay=log_decay, scale=scale, cu_seqlens=cu_seqlens, sp=sp,
+        q,
+        k,
+        v,
+        log_decay=log_decay,
+        scale=scale,
+        cu_seqlens=cu_seqlens,
+        sp=sp,
         chunk_size=chunk_size,
     )
     normalize = _check_flag("normalize", normalize)
@@ -132,15 +138,17 @@ def hla2(
     eps = _check_nonneg("eps", eps)
     N, H, K, V = x.n_seq, x.H, x.K, x.V
     S0, H0, eta0 = _unpack_state(
-        initial_state, {"S": (N, H, K, K), "H": (N, H, K, V), "eta": (N, H, K) if normalize else None},
+        initial_state,
+        {"S": (N, H, K, K), "H": (N, H, K, V), "eta": (N, H, K) if normalize else None},
         x.q,
     )
     if sp is not None:
         sp.check_call(x, op="hla2", options=(normalize, ridge, eps))
     cdt = compute_dtype(x.q.dtype)
     qs, kk, vv = (x.q * x.scale).to(cdt), x.k.to(cdt), x.v.to(cdt)
-    common = dict(cu_seqlens=x.cu_seqlens, want_final=output_final_state,
-                  chunk_size=x.chunk_size, sp=sp)
+    common = dict(
+        cu_seqlens=x.cu_seqlens, want_final=output_final_state, chunk_size=x.chunk_size, sp=sp
+    )
 
     k_tilde, S = primitive(qs, kk, kk, x.g, h0=S0, **common)
     if ridge:
@@ -178,7 +186,13 @@ def ahla(
     Keywords as in :func:`hla_sp.linear_attention`; the state is :class:`AHLAState`.
     """
     x = validate.check_inputs(
-        q, k, v, log_decay=log_decay, scale=scale, cu_seqlens=cu_seqlens, sp=sp,
+        q,
+        k,
+        v,
+        log_decay=log_decay,
+        scale=scale,
+        cu_seqlens=cu_seqlens,
+        sp=sp,
         chunk_size=chunk_size,
     )
     shape = (x.n_seq, x.H, x.K, x.V)
@@ -187,8 +201,9 @@ def ahla(
         sp.check_call(x, op="ahla", options=())
     cdt = compute_dtype(x.q.dtype)
     qs, kk, vv = (x.q * x.scale).to(cdt), x.k.to(cdt), x.v.to(cdt)
-    common = dict(cu_seqlens=x.cu_seqlens, want_final=output_final_state,
-                  chunk_size=x.chunk_size, sp=sp)
+    common = dict(
+        cu_seqlens=x.cu_seqlens, want_final=output_final_state, chunk_size=x.chunk_size, sp=sp
+    )
     u, C = primitive(qs, kk, vv, x.g, h0=C0, **common)
     o, Hf = primitive(qs, kk, u, x.g, h0=H0, **common)
     return o.to(x.q.dtype), (AHLAState(C, Hf) if output_final_state else None)
@@ -212,7 +227,13 @@ def hla3(
     Keywords as in :func:`hla_sp.linear_attention`; the state is :class:`HLA3State`.
     """
     x = validate.check_inputs(
-        q, k, v, log_decay=log_decay, scale=scale, cu_seqlens=cu_seqlens, sp=sp,
+        q,
+        k,
+        v,
+        log_decay=log_decay,
+        scale=scale,
+        cu_seqlens=cu_seqlens,
+        sp=sp,
         chunk_size=chunk_size,
     )
     N, H, K, V = x.n_seq, x.H, x.K, x.V
@@ -223,8 +244,9 @@ def hla3(
         sp.check_call(x, op="hla3", options=())
     cdt = compute_dtype(x.q.dtype)
     qs, kk, vv = (x.q * x.scale).to(cdt), x.k.to(cdt), x.v.to(cdt)
-    common = dict(cu_seqlens=x.cu_seqlens, want_final=output_final_state,
-                  chunk_size=x.chunk_size, sp=sp)
+    common = dict(
+        cu_seqlens=x.cu_seqlens, want_final=output_final_state, chunk_size=x.chunk_size, sp=sp
+    )
     k_tilde, S = primitive(qs, kk, kk, x.g, h0=S0, **common)
     u, C = primitive(qs, kk, vv, x.g, h0=C0, **common)
     o, Hf = primitive(qs, k_tilde, u, x.g, h0=H0, **common)

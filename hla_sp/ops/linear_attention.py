@@ -10,6 +10,7 @@ carries), :func:`primitive` (routes to sequence parallelism when ``sp`` is given
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 import torch
@@ -62,7 +63,7 @@ def local_primitive(
     o, h_last = impl(
         q, k, v, g, resets=resets, h0=None if h0 is None else h0[:1], chunk_size=chunk_size
     )
-    docs = list(zip(bounds[:-1], bounds[1:]))
+    docs = list(itertools.pairwise(bounds))
 
     def piece(x: torch.Tensor | None, s: int, e: int) -> torch.Tensor | None:
         return None if x is None else x[:, s:e]
@@ -83,7 +84,11 @@ def local_primitive(
         if h0 is not None and len(docs) > 1:
             # The chunk scan saw the last document's start as a cut; add its carry.
             s = docs[-1][0]
-            a = g[:, s:].to(h_last.dtype).sum(1) if g is not None else torch.zeros_like(h_last[..., 0, 0])
+            a = (
+                g[:, s:].to(h_last.dtype).sum(1)
+                if g is not None
+                else torch.zeros_like(h_last[..., 0, 0])
+            )
             h_last = h_last + torch.exp(a)[..., None, None] * h0[-1:].to(h_last.dtype)
         states.append(h_last)
         final = torch.cat(states, dim=0)
@@ -113,7 +118,15 @@ def primitive(
     from hla_sp.parallel.primitive import sp_primitive
 
     return sp_primitive(
-        q, k, v, g, cu_seqlens=cu_seqlens, h0=h0, want_final=want_final, chunk_size=chunk_size, sp=sp
+        q,
+        k,
+        v,
+        g,
+        cu_seqlens=cu_seqlens,
+        h0=h0,
+        want_final=want_final,
+        chunk_size=chunk_size,
+        sp=sp,
     )
 
 
@@ -146,7 +159,13 @@ def linear_attention(
         (o [B, T, H, V] in q's dtype, final state or None)
     """
     inputs = validate.check_inputs(
-        q, k, v, log_decay=log_decay, scale=scale, cu_seqlens=cu_seqlens, sp=sp,
+        q,
+        k,
+        v,
+        log_decay=log_decay,
+        scale=scale,
+        cu_seqlens=cu_seqlens,
+        sp=sp,
         chunk_size=chunk_size,
     )
     shape = (inputs.n_seq, inputs.H, inputs.K, inputs.V)

@@ -108,7 +108,7 @@ def _outer(a, b):
 def recurrent_linear_attention(q, k, v, log_decay=None, scale=None, initial_state=None):
     """h_t = gamma_t h_{t-1} + k_t v_t^T, o_t = q_t^T h_t; returns (o, h_T)."""
     qs, g = _prep(q, k, log_decay, scale)
-    B, T, H, K = q.shape
+    B, _T, H, K = q.shape
     h = q.new_zeros(B, H, K, v.shape[-1]) if initial_state is None else initial_state.to(q.dtype)
     out = []
     for _, qt, kt, vt, gam in _steps(qs, k, v, g):
@@ -118,7 +118,14 @@ def recurrent_linear_attention(q, k, v, log_decay=None, scale=None, initial_stat
 
 
 def recurrent_hla2(
-    q, k, v, log_decay=None, scale=None, normalize=False, eps=1e-6, ridge=0.0,
+    q,
+    k,
+    v,
+    log_decay=None,
+    scale=None,
+    normalize=False,
+    eps=1e-6,
+    ridge=0.0,
     initial_state=None,
 ):
     """S_t = gS + k k^T; k~ = S_t q + ridge q; H_t = gH + k~ v^T; o = q^T H (/ q^T eta).
@@ -126,7 +133,7 @@ def recurrent_hla2(
     Returns (o, (S, H, eta or None)).
     """
     qs, g = _prep(q, k, log_decay, scale)
-    B, T, H, K = q.shape
+    B, _T, H, K = q.shape
     V = v.shape[-1]
     if initial_state is None:
         S, Hs, eta = q.new_zeros(B, H, K, K), q.new_zeros(B, H, K, V), q.new_zeros(B, H, K)
@@ -149,7 +156,7 @@ def recurrent_hla2(
 def recurrent_ahla(q, k, v, log_decay=None, scale=None, initial_state=None):
     """C_t = gC + k v^T; u_t = C_t^T q_t; H_t = gH + k u^T; o = H_t^T q_t. Returns (o, (C, H))."""
     qs, g = _prep(q, k, log_decay, scale)
-    B, T, H, K = q.shape
+    B, _T, H, K = q.shape
     V = v.shape[-1]
     if initial_state is None:
         C, Hs = q.new_zeros(B, H, K, V), q.new_zeros(B, H, K, V)
@@ -167,7 +174,7 @@ def recurrent_ahla(q, k, v, log_decay=None, scale=None, initial_state=None):
 def recurrent_hla3(q, k, v, log_decay=None, scale=None, initial_state=None):
     """S, C as above; k~ = S_t q_t, u_t = C_t^T q_t, H_t = gH + k~ u^T. Returns (o, (S, C, H))."""
     qs, g = _prep(q, k, log_decay, scale)
-    B, T, H, K = q.shape
+    B, _T, H, K = q.shape
     V = v.shape[-1]
     if initial_state is None:
         S, C, Hs = q.new_zeros(B, H, K, K), q.new_zeros(B, H, K, V), q.new_zeros(B, H, K, V)

@@ -115,10 +115,17 @@ def check_cu_seqlens(
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         _fail(TypeError, "cu_seqlens", "dtype int32 or int64", cu_seqlens.dtype)
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        _fail(ValueError, "cu_seqlens", "a 1-D tensor of N + 1 >= 2 offsets", tuple(cu_seqlens.shape))
+        _fail(
+            ValueError, "cu_seqlens", "a 1-D tensor of N + 1 >= 2 offsets", tuple(cu_seqlens.shape)
+        )
     B = q.shape[0]
     if B != 1:
-        _fail(ValueError, "q", "batch size B == 1 when cu_seqlens is given (packed layout)", f"B = {B}")
+        _fail(
+            ValueError,
+            "q",
+            "batch size B == 1 when cu_seqlens is given (packed layout)",
+            f"B = {B}",
+        )
     c = cu_seqlens.detach().cpu().long()
     if c[0].item() != 0:
         _fail(ValueError, "cu_seqlens", "cu_seqlens[0] == 0", f"cu_seqlens[0] = {c[0].item()}")
