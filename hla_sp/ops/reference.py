@@ -130,6 +130,9 @@ def recurrent_hla2(
 ):
     """S_t = gS + k k^T; k~ = S_t q + ridge q; H_t = gH + k~ v^T; o = q^T H (/ q^T eta).
 
+    k~ is computed as S_t^T q_t, the primitive's convention (o = q^T h), which is
+    S_t q_t for every reachable (symmetric) S.
+
     Returns (o, (S, H, eta or None)).
     """
     qs, g = _prep(q, k, log_decay, scale)
@@ -143,7 +146,7 @@ def recurrent_hla2(
     out = []
     for _, qt, kt, vt, gam in _steps(qs, k, v, g):
         S = gam * S + _outer(kt, kt)
-        k_tilde = torch.einsum("bhij,bhj->bhi", S, qt) + ridge * qt
+        k_tilde = torch.einsum("bhj,bhji->bhi", qt, S) + ridge * qt
         Hs = gam * Hs + _outer(k_tilde, vt)
         o = torch.einsum("bhk,bhkv->bhv", qt, Hs)
         if normalize:
@@ -184,7 +187,7 @@ def recurrent_hla3(q, k, v, log_decay=None, scale=None, initial_state=None):
     for _, qt, kt, vt, gam in _steps(qs, k, v, g):
         S = gam * S + _outer(kt, kt)
         C = gam * C + _outer(kt, vt)
-        k_tilde = torch.einsum("bhij,bhj->bhi", S, qt)
+        k_tilde = torch.einsum("bhj,bhji->bhi", qt, S)
         u = torch.einsum("bhk,bhkv->bhv", qt, C)
         Hs = gam * Hs + _outer(k_tilde, u)
         out.append(torch.einsum("bhk,bhkv->bhv", qt, Hs))

@@ -1,0 +1,234 @@
+"""Every operator's fast path against its serial recurrence and its naive form.
+
+fp64 checks are to 1e-10 relative. fp32 and bf16 follow flash-attention's rule:
+the fast path may err against the fp64 truth by at most a small multiple of the
+error the reference itself makes at that precision (on the same rounded inputs).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from op_table import OPS, OPS_BY_NAME, make_inputs, rel_err
+
+SHAPES = {
+    "T1": (1, 1, 1, 4, 4),
+    "T63_K8V5": (2, 63, 3, 8, 5),
+    "T65_K16V32": (1, 65, 2, 16, 32),
+    "T40_H1": (1, 40, 1, 8, 8),
+}
+DECAYS = ["none", "zero", "head", "token"]
+
+
+def _states(op, N, H, K, V, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = op.state_shapes(N, H, K, V)
+    out = [torch.randn(s, generator=gen, dtype=torch.float64) * 0.3 for s in shapes]
+    # A reachable key moment S = sum k k^T is symmetric: make the S fields so.
+    out = [x @ x.transpose(-1, -2) if s[-1] == s[-2] == K else x for x, s in zip(out, shapes)]
+    if op.positive:  # keep normalize's denominator positive
+        out = [x.abs() for x in out]
+    return out
+
+
+def _loss_weights(o, states, seed=2):
+    gen = torch.Generator().manual_seed(seed)
+    do = torch.randn(o.shape, generator=gen, dtype=torch.float64)
+    ds = [torch.randn(s.shape, generator=gen, dtype=torch.float64) for s in states]
+    return do, ds
+
+
+def _grads(fn, inputs, do, ds):
+    """Gradients of sum(o * do) + sum(state * ds) w.r.t. every input that needs them."""
+    o, st = fn(*inputs)
+    loss = (o.double() * do).sum() + sum((s.double() * d).sum() for s, d in zip(st, ds))
+    leaves = [x for x in _flat(inputs) if x is not None and x.requires_grad]
+    return o, st, torch.autograd.grad(loss, leaves)
+
+
+def _flat(inputs):
+    for x in inputs:
+        if isinstance(x, (list, tuple)):
+            yield from x
+        else:
+            yield x
+
+
+def _leaf(x):
+    return None if x is None else x.detach().clone().requires_grad_(True)
+
+
+@pytest.mark.parametrize("decay", DECAYS)
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+@pytest.mark.parametrize("op", OPS, ids=[op.name for op in OPS])
+def test_fp64_matches_recurrence_and_naive(op, shape, decay):
+    B, T, H, K, V = SHAPES[shape]
+    q, k, v, g = make_inputs(B, T, H, K, V, decay=decay, positive=op.positive)
+    init = _states(op, B, H, K, V)
+    ins_fast = [_leaf(x) for x in (q, k, v, g)] + [[_leaf(s) for s in init]]
+    ins_ref = [_leaf(x) for x in (q, k, v, g)] + [[_leaf(s) for s in init]]
+    o_ref, st_ref = op.recurrent(*ins_ref)
+    do, ds = _loss_weights(o_ref, st_ref)
+
+    def fast(q, k, v, g, init):
+        return op.fast(q, k, v, g, init, True, 16)
+
+    o, st, grads = _grads(fast, ins_fast, do, ds)
+    o_ref, st_ref, grads_ref = _grads(op.recurrent, ins_ref, do, ds)
+    assert rel_err(o, o_ref) < 1e-10
+    for a, b in zip(st, st_ref):
+        assert rel_err(a, b) < 1e-10
+    names = ["q", "k", "v", "log_decay"][: 3 + (g is not None)] + [f"state{i}" for i in range(9)]
+    for name, a, b in zip(names, grads, grads_ref):
+        assert rel_err(a, b) < 1e-10, name
+    # The naive quadratic form (no initial state).
+    o0, _ = op.fast(q, k, v, g, None, False, 16)
+    assert rel_err(o0, op.naive(q, k, v, g)) < 1e-10
+
+
+@pytest.mark.parametrize("chunk", [1, 16, 32, 64, 128])
+def test_chunk_size_only_changes_rounding(chunk):
+    op = OPS_BY_NAME["hla2"]
+    q, k, v, g = make_inputs(1, 100, 2, 8, 8)
+    o, st = op.fast(q, k, v, g, None, True, chunk)
+    o_ref, st_ref = op.recurrent(q, k, v, g)
+    assert rel_err(o, o_ref) < 1e-10
+    assert rel_err(st[1], st_ref[1]) < 1e-10
+
+
+def _reference_error(op, dtype, q, k, v, g):
+    """Error of the naive form evaluated in ``dtype`` against itself in fp64."""
+    rq, rk, rv, rg = (None if x is None else x.to(dtype) for x in (q, k, v, g))
+    truth = op.naive(*(None if x is None else x.double() for x in (rq, rk, rv, rg)))
+    return truth, rel_err(op.naive(rq, rk, rv, rg), truth)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("op", OPS, ids=[op.name for op in OPS])
+def test_low_precision_within_reference_error(op, dtype):
+    q, k, v, g = make_inputs(2, 127, 2, 16, 16, decay="token", positive=op.positive)
+    qd, kd, vd, gd = (x.to(dtype) for x in (q, k, v, g))
+    truth, ref_err = _reference_error(op, dtype, q, k, v, g)
+    o, _ = op.fast(qd, kd, vd, gd, None, False, 32)
+    assert o.dtype == dtype
+    # Our path accumulates in fp32 and rounds once at the output, so it should not
+    # err more than the reference does when it works at `dtype` throughout; the
+    # factor 2 and the floor (one fp32 ulp-scale term) absorb rounding-order noise.
+    floor = 4 * torch.finfo(torch.float32).eps
+    assert rel_err(o, truth) <= 2 * ref_err + floor, (rel_err(o, truth), ref_err)
+
+
+@pytest.mark.parametrize("op", OPS, ids=[op.name for op in OPS])
+def test_fp32_gradients_within_reference_error(op):
+    q, k, v, g = make_inputs(1, 70, 2, 8, 8, decay="token", positive=op.positive)
+    do = torch.randn(1, 70, 2, 8, dtype=torch.float64)
+
+    def grads(fn, dtype):
+        xs = [x.detach().to(dtype).clone().requires_grad_(True) for x in (q, k, v, g)]
+        (fn(*xs).double() * do).sum().backward()
+        return [x.grad.double() for x in xs]
+
+    truth = grads(op.naive, torch.float64)
+    ref32 = grads(op.naive, torch.float32)
+    fast32 = grads(lambda *xs: op.fast(*xs, None, False, 16)[0], torch.float32)
+    for name, t, r, f in zip("qkvg", truth, ref32, fast32):
+        assert rel_err(f, t) <= 2 * rel_err(r, t) + 1e-6, name
+
+
+@pytest.mark.parametrize("op", OPS, ids=[op.name for op in OPS])
+def test_two_pieces_equal_the_whole(op):
+    """Running [0, s) then [s, T) from the returned state equals one run, grads too."""
+    q, k, v, g = make_inputs(2, 50, 2, 8, 6, positive=op.positive)
+    s = 23
+    xs = [x.clone().requires_grad_(True) for x in (q, k, v, g)]
+    o_whole, st_whole = op.fast(*xs, None, True, 16)
+    do = torch.randn_like(o_whole)
+    ds = [torch.randn_like(x) for x in st_whole]
+    loss = (o_whole * do).sum() + sum((a * b).sum() for a, b in zip(st_whole, ds))
+    g_whole = torch.autograd.grad(loss, xs)
+
+    ys = [x.clone().requires_grad_(True) for x in (q, k, v, g)]
+    o1, st1 = op.fast(*(y[:, :s] for y in ys), None, True, 16)
+    o2, st2 = op.fast(*(y[:, s:] for y in ys), list(st1), True, 16)
+    o_pieces = torch.cat([o1, o2], 1)
+    assert rel_err(o_pieces, o_whole) < 1e-10
+    for a, b in zip(st2, st_whole):
+        assert rel_err(a, b) < 1e-10
+    loss = (o_pieces * do).sum() + sum((a * b).sum() for a, b in zip(st2, ds))
+    for a, b in zip(torch.autograd.grad(loss, ys), g_whole):
+        assert rel_err(a, b) < 1e-10
+
+
+@pytest.mark.parametrize("with_init", [False, True], ids=["zero_init", "init"])
+@pytest.mark.parametrize("op", OPS, ids=[op.name for op in OPS])
+def test_varlen_equals_per_document_loop(op, with_init):
+    cu = torch.tensor([0, 1, 17, 18, 40, 75, 76])  # length-1 documents included
+    T, H, K, V = 76, 2, 8, 4
+    q, k, v, g = make_inputs(1, T, H, K, V, positive=op.positive)
+    N = cu.numel() - 1
+    init = _states(op, N, H, K, V) if with_init else None
+    xs = [x.clone().requires_grad_(True) for x in (q, k, v, g)]
+    o, st = op.fast(*xs, init, True, 16, cu_seqlens=cu)
+    do = torch.randn_like(o)
+    ds = [torch.randn_like(x) for x in st]
+    loss = (o * do).sum() + sum((a * b).sum() for a, b in zip(st, ds))
+    grads = torch.autograd.grad(loss, xs)
+
+    ys = [x.clone().requires_grad_(True) for x in (q, k, v, g)]
+    outs, finals = [], []
+    for i in range(N):
+        s, e = cu[i].item(), cu[i + 1].item()
+        doc_init = None if init is None else [x[i : i + 1] for x in init]
+        o_i, st_i = op.recurrent(*(y[:, s:e] for y in ys), doc_init)
+        outs.append(o_i)
+        finals.append(st_i)
+    o_ref = torch.cat(outs, 1)
+    st_ref = [torch.cat([f[j] for f in finals], 0) for j in range(len(st))]
+    assert rel_err(o, o_ref) < 1e-10
+    for a, b in zip(st, st_ref):
+        assert rel_err(a, b) < 1e-10
+    loss = (o_ref * do).sum() + sum((a * b).sum() for a, b in zip(st_ref, ds))
+    for name, a, b in zip("qkvg", grads, torch.autograd.grad(loss, ys)):
+        assert rel_err(a, b) < 1e-10, name
+
+
+@pytest.mark.parametrize("op", OPS, ids=[op.name for op in OPS])
+def test_gradcheck_fp64(op):
+    q, k, v, g = make_inputs(1, 9, 1, 3, 2, positive=op.positive)
+    init = _states(op, 1, 1, 3, 2)
+    xs = [x.clone().requires_grad_(True) for x in (q, k, v, g, *init)]
+
+    def fn(q, k, v, g, *init):
+        o, st = op.fast(q, k, v, g, list(init), True, 4)
+        return (o, *st)
+
+    assert torch.autograd.gradcheck(fn, xs, eps=1e-6, atol=1e-8)
+
+
+def test_hla2_gamma_one_equals_paper_masked_loop():
+    from hla_sp.ops.reference import paper_hla2_masked_loop
+
+    q, k, v, _ = make_inputs(2, 45, 3, 8, 5)
+    o, _ = OPS_BY_NAME["hla2"].fast(q, k, v, None, None, False, 16)
+    assert rel_err(o, paper_hla2_masked_loop(q, k, v)) < 1e-10
+
+
+def test_scale_multiplies_queries():
+    import hla_sp
+
+    q, k, v, g = make_inputs(1, 20, 2, 8, 8)
+    a, _ = hla_sp.hla2(q, k, v, log_decay=g, scale=0.37)
+    b, _ = hla_sp.hla2(q * 0.37, k, v, log_decay=g, scale=1.0)
+    assert rel_err(a, b) < 1e-12
+    c, _ = hla_sp.hla2(q, k, v, log_decay=g)  # default K ** -0.5
+    d, _ = hla_sp.hla2(q * 8**-0.5, k, v, log_decay=g, scale=1.0)
+    assert rel_err(c, d) < 1e-12
+
+
+def test_final_state_dtype_is_fp32_for_bf16_inputs():
+    import hla_sp
+
+    q, k, v, g = make_inputs(1, 10, 1, 4, 4, dtype=torch.bfloat16)
+    o, st = hla_sp.hla2(q, k, v, log_decay=g, output_final_state=True)
+    assert o.dtype == torch.bfloat16
+    assert st.S.dtype == torch.float32 and st.H.dtype == torch.float32
