@@ -58,7 +58,8 @@ def _unpack_state(
     names = list(fields)
     if not isinstance(state, (tuple, list)):
         raise TypeError(
-            f"initial_state: expected a tuple or list ({', '.join(names)}), got {type(state).__name__}"
+            f"initial_state: expected a tuple or list ({', '.join(names)}), "
+            f"got {type(state).__name__}"
         )
     want = [n for n in names if fields[n] is not None]
     given = list(state) + [None] * (len(names) - len(state))

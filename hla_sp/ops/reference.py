@@ -236,10 +236,10 @@ def paper_hla3_algorithm3(q, k, v, scale=None):
     out = []
     for t in range(T):
         sel = (twice & (mx <= t)).to(q.dtype)  # [a, b, c]
-        # Per batch element: sum_{abc} sel (q_t.k_a)(k_a.q_b)(q_b.k_c) v_c
-        qa = torch.einsum("bhk,bahk->bha", qs[:, t], k)  # q_t . k_a
-        ab = torch.einsum("bahk,bchk->bhac", k, qs)  # k_a . q_b
-        bc = torch.einsum("bahk,bchk->bhac", qs, k)  # q_b . k_c
-        w = torch.einsum("bha,bhab,bhbc,abc->bhc", qa, ab, bc, sel)
-        out.append(torch.einsum("bhc,bchv->bhv", w, v))
+        # (q_t.k_a)(k_a.q_m)(q_m.k_c) v_c summed over the selected (a, m, c); z = batch.
+        qa = torch.einsum("zhk,zahk->zha", qs[:, t], k)
+        am = torch.einsum("zahk,zmhk->zham", k, qs)
+        mc = torch.einsum("zmhk,zchk->zhmc", qs, k)
+        w = torch.einsum("zha,zham,zhmc,amc->zhc", qa, am, mc, sel)
+        out.append(torch.einsum("zhc,zchv->zhv", w, v))
     return torch.stack(out, 1)

@@ -1,0 +1,171 @@
+"""Bad input is rejected before any work, with the argument, expectation and value."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hla_sp
+
+OPERATORS = {
+    "linear": hla_sp.linear_attention,
+    "hla2": hla_sp.hla2,
+    "ahla": hla_sp.ahla,
+    "hla3": hla_sp.hla3,
+}
+
+
+def _qkv(B=1, T=8, H=2, K=4, V=3, dtype=torch.float32):
+    return torch.randn(B, T, H, K, dtype=dtype), torch.randn(B, T, H, K, dtype=dtype), torch.randn(
+        B, T, H, V, dtype=dtype
+    )
+
+
+def _cases():
+    q, k, v = _qkv()
+    q2, k2, v2 = _qkv(B=2)
+    yield "q_rank", (q[0], k, v), {}, ValueError, ["q", "4-D", "(8, 2, 4)"]
+    yield "k_shape", (q, k[:, :5], v), {}, ValueError, ["k", "(1, 8, 2, 4)", "(1, 5, 2, 4)"]
+    yield "v_heads", (q, k, v[:, :, :1]), {}, ValueError, ["v", "(1, 8, 2)", "(1, 8, 1)"]
+    yield "k_dtype", (q, k.double(), v), {}, TypeError, ["k", "torch.float32", "torch.float64"]
+    yield "v_int", (q, k, v.long()), {}, TypeError, ["v", "floating", "torch.int64"]
+    yield "q_list", ([1.0], k, v), {}, TypeError, ["q", "torch.Tensor", "list"]
+    yield "T0", (q[:, :0], k[:, :0], v[:, :0]), {}, ValueError, ["q", "T >= 1", "T = 0"]
+    yield (
+        "decay_positive",
+        (q, k, v),
+        {"log_decay": torch.tensor([-0.1, 0.2])},
+        ValueError,
+        ["log_decay", "<= 0", "0.2"],
+    )
+    yield (
+        "decay_nan",
+        (q, k, v),
+        {"log_decay": torch.tensor([-0.1, float("nan")])},
+        ValueError,
+        ["log_decay", "<= 0", "nan"],
+    )
+    yield (
+        "decay_shape",
+        (q, k, v),
+        {"log_decay": torch.zeros(3)},
+        ValueError,
+        ["log_decay", "[1, 8, 2]", "(3,)"],
+    )
+    cu = torch.tensor([0, 3, 8])
+    yield "cu_B2", (q2, k2, v2), {"cu_seqlens": cu}, ValueError, ["q", "B == 1", "B = 2"]
+    yield (
+        "cu_start",
+        (q, k, v),
+        {"cu_seqlens": torch.tensor([1, 3, 8])},
+        ValueError,
+        ["cu_seqlens", "cu_seqlens[0] == 0", "= 1"],
+    )
+    yield (
+        "cu_end",
+        (q, k, v),
+        {"cu_seqlens": torch.tensor([0, 3, 7])},
+        ValueError,
+        ["cu_seqlens", "T = 8", "= 7"],
+    )
+    yield (
+        "cu_order",
+        (q, k, v),
+        {"cu_seqlens": torch.tensor([0, 5, 5, 8])},
+        ValueError,
+        ["cu_seqlens", "strictly increasing", "cu_seqlens[1] = 5"],
+    )
+    yield (
+        "cu_float",
+        (q, k, v),
+        {"cu_seqlens": torch.tensor([0.0, 8.0])},
+        TypeError,
+        ["cu_seqlens", "int32 or int64", "float32"],
+    )
+    yield "chunk", (q, k, v), {"chunk_size": 48}, ValueError, ["chunk_size", "power of two", "48"]
+    yield "scale", (q, k, v), {"scale": "big"}, TypeError, ["scale", "float", "str"]
+
+
+CASES = list(_cases())
+
+
+@pytest.mark.parametrize("name", list(OPERATORS))
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_names_argument_expected_and_received(case, name):
+    _, args, kwargs, exc, words = case
+    with pytest.raises(exc) as info:
+        OPERATORS[name](*args, **kwargs)
+    msg = str(info.value)
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+def test_bad_input_is_rejected_before_work(monkeypatch):
+    import importlib
+
+    # The package re-exports the function under the module's name, so import by path.
+    la = importlib.import_module("hla_sp.ops.linear_attention")
+
+    calls = []
+    monkeypatch.setattr(la, "local_primitive", lambda *a, **k: calls.append(1))
+    q, k, v = _qkv()
+    with pytest.raises(ValueError):
+        hla_sp.hla2(q, k, v, log_decay=torch.tensor([0.5, 0.0]))
+    assert calls == []
+
+
+@pytest.mark.parametrize(
+    "op, state, words",
+    [
+        ("linear", torch.zeros(1, 2, 4, 4), ["initial_state", "[1, 2, 4, 3]", "[1, 2, 4, 4]"]),
+        ("hla2", (torch.zeros(1, 2, 4, 4),), ["initial_state", "S, H"]),
+        (
+            "hla2",
+            (torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 3, 3)),
+            ["initial_state.H", "[1, 2, 4, 3]", "[1, 2, 3, 3]"],
+        ),
+        ("ahla", torch.zeros(1, 2, 4, 3), ["initial_state", "tuple", "Tensor"]),
+        (
+            "hla3",
+            (torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 4, 3), torch.zeros(2, 2, 4, 3)),
+            ["initial_state.H", "[1, 2, 4, 3]", "[2, 2, 4, 3]"],
+        ),
+    ],
+    ids=["linear", "hla2_missing", "hla2_shape", "ahla_type", "hla3_batch"],
+)
+def test_bad_initial_state(op, state, words):
+    q, k, v = _qkv()
+    with pytest.raises((ValueError, TypeError)) as info:
+        OPERATORS[op](q, k, v, initial_state=state)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+
+
+def test_hla2_state_eta_must_match_normalize():
+    q, k, v = _qkv()
+    S, H = torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 4, 3)
+    with pytest.raises(ValueError, match="eta"):
+        hla_sp.hla2(q, k, v, normalize=True, initial_state=(S, H))
+    with pytest.raises(ValueError, match="eta"):
+        hla_sp.hla2(q, k, v, initial_state=(S, H, torch.zeros(1, 2, 4)))
+
+
+def test_varlen_initial_state_has_one_row_per_document():
+    q, k, v = _qkv()
+    cu = torch.tensor([0, 3, 8])
+    with pytest.raises(ValueError, match=r"\[2, 2, 4, 3\]"):
+        hla_sp.linear_attention(q, k, v, cu_seqlens=cu, initial_state=torch.zeros(1, 2, 4, 3))
+
+
+def test_backend_variable(monkeypatch):
+    q, k, v = _qkv()
+    monkeypatch.setenv("HLA_SP_BACKEND", "cuda-magic")
+    with pytest.raises(ValueError, match="HLA_SP_BACKEND"):
+        hla_sp.linear_attention(q, k, v)
+    monkeypatch.setenv("HLA_SP_BACKEND", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="triton"):
+        hla_sp.linear_attention(q, k, v)
+    monkeypatch.setenv("HLA_SP_BACKEND", "torch")
+    o, _ = hla_sp.linear_attention(q, k, v)
+    assert o.shape == (1, 8, 2, 3)
