@@ -92,7 +92,14 @@ def check_log_decay(
             f"a shape that broadcasts to [B, T, H] = [{B}, {T}, {H}] (e.g. [H] or [B, T, H])",
             f"shape {tuple(log_decay.shape)}",
         )
-    if check_values and log_decay.numel() > 0:
+    if check_values and log_decay.numel() > 0 and torch.compiler.is_compiling():
+        # .item() would break a torch.compile graph; the same check runs inside it
+        # (it raises a RuntimeError when the graph runs).
+        torch._assert_async(
+            log_decay.detach().max() <= 0.0,
+            "log_decay: expected values <= 0 (gamma = exp(log_decay) <= 1)",
+        )
+    elif check_values and log_decay.numel() > 0:
         mx = log_decay.detach().max().item()
         if not mx <= 0.0:  # also catches NaN
             _fail(ValueError, "log_decay", "values <= 0 (gamma = exp(log_decay) <= 1)", f"max {mx}")

@@ -1,0 +1,182 @@
+"""The primitive's chunk scan as a ``torch.library`` custom operator.
+
+``torch.compile`` cannot trace into Triton launches (nor, with ``fullgraph=True``,
+through the Python loops of a hand-written autograd.Function); an opaque operator
+with a fake (meta) implementation and a registered backward is traced as one node.
+:mod:`hla_sp.ops.dispatch` routes through these operators only while compiling;
+eager calls keep the direct implementations (exact autograd of the torch path, the
+Triton autograd.Function), so eager behaviour and speed are unchanged.
+
+Two operators, both taking the backend name chosen by the dispatcher:
+
+    hla_sp::chunk_linear_attention(q, k, v, g?, resets?, h0?, chunk_size, backend)
+        -> (o [B, T, H, V] in q's dtype, h_last [B, H, K, V] in the compute dtype)
+    hla_sp::chunk_linear_attention_bwd(q, k, v, g?, resets?, h0?, do, dht?, chunk_size,
+        backend) -> (dq, dk, dv, dg, dh0)
+
+Absent gradients (no g, no h0) come back as empty tensors, because an operator's
+outputs must be tensors; the autograd formula turns them back into None. The torch
+backend's backward is the vjp of the torch chunk path, recomputed under
+``enable_grad``: exactly autograd's gradient. The Triton backend calls the backward
+kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hla_sp.ops.chunk import chunk_linear_attention, compute_dtype
+
+Tensor = torch.Tensor
+
+
+def _out_dtype(q: Tensor, backend: str) -> torch.dtype:
+    # The torch path keeps fp64 in fp64; the Triton path rejects fp64 (states are fp32).
+    return torch.float32 if backend == "triton" else compute_dtype(q.dtype)
+
+
+@torch.library.custom_op("hla_sp::chunk_linear_attention", mutates_args=())
+def chunk_linear_attention_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor | None,
+    resets: Tensor | None,
+    h0: Tensor | None,
+    chunk_size: int,
+    backend: str,
+) -> tuple[Tensor, Tensor]:
+    """The chunk scan of ``backend`` ("torch" or "triton"); o in q's dtype."""
+    if backend == "triton":
+        from hla_sp.kernels.chunk import chunk_fwd, chunk_tile, prepare
+
+        qp, kp, vp, gp, rp, hp = prepare(q, k, v, g, resets, h0)
+        o, h = chunk_fwd(qp, kp, vp, gp, rp, hp, chunk_tile(chunk_size))
+        return o, h
+    with torch.no_grad():
+        o, h = chunk_linear_attention(q, k, v, g, resets=resets, h0=h0, chunk_size=chunk_size)
+    # Outputs of a custom op may not alias its inputs; clone in the (T = 0) corner case.
+    return o.to(q.dtype), (h.clone() if h0 is not None and h.data_ptr() == h0.data_ptr() else h)
+
+
+@chunk_linear_attention_op.register_fake
+def _(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, resets: Tensor | None,
+    h0: Tensor | None, chunk_size: int, backend: str,
+) -> tuple[Tensor, Tensor]:
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    o = q.new_empty(B, T, H, V)
+    h = q.new_empty(B, H, K, V, dtype=_out_dtype(q, backend))
+    return o, h
+
+
+@torch.library.custom_op("hla_sp::chunk_linear_attention_bwd", mutates_args=())
+def chunk_linear_attention_bwd_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor | None,
+    resets: Tensor | None,
+    h0: Tensor | None,
+    do: Tensor,
+    dht: Tensor | None,
+    chunk_size: int,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of :func:`chunk_linear_attention_op`; dg, dh0 empty when g, h0 are None."""
+    empty = q.new_empty(0)
+    if backend == "triton":
+        from hla_sp.kernels.chunk import chunk_bwd, chunk_tile, prepare
+
+        qp, kp, vp, gp, rp, hp = prepare(q, k, v, g, resets, h0)
+        dq, dk, dv, dg, dh0 = chunk_bwd(
+            qp, kp, vp, gp, rp, hp, do.contiguous(),
+            None if dht is None else dht.float().contiguous(), chunk_tile(chunk_size),
+        )
+    else:
+        dq, dk, dv, dg, dh0 = _torch_vjp(q, k, v, g, resets, h0, do, dht, chunk_size)
+    dg = empty if dg is None else dg.to(g.dtype)
+    dh0 = empty if dh0 is None else dh0.to(h0.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg, dh0
+
+
+def _torch_vjp(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, resets: Tensor | None,
+    h0: Tensor | None, do: Tensor, dht: Tensor | None, chunk_size: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+    """The vjp of the torch chunk path, recomputed: exactly autograd's gradients.
+
+    ``torch.func.vjp`` rather than ``torch.autograd.grad``: an operator's
+    implementation runs below the autograd dispatch key, where ``enable_grad`` records
+    nothing, while a function transform sets up its own autograd level.
+    """
+
+    def f(*xs: Tensor) -> tuple[Tensor, Tensor]:
+        it = iter(xs[3:])
+        gg = next(it) if g is not None else None
+        hh = next(it) if h0 is not None else None
+        o, h = chunk_linear_attention(*xs[:3], gg, resets=resets, h0=hh, chunk_size=chunk_size)
+        return o.to(q.dtype), h
+
+    primals = [q, k, v] + [x for x in (g, h0) if x is not None]
+    (_, h), vjp_fn = torch.func.vjp(f, *primals)
+    grads = vjp_fn((do, torch.zeros_like(h) if dht is None else dht.to(h.dtype)))
+    it = iter(grads[3:])
+    dg = next(it) if g is not None else None
+    dh0 = next(it) if h0 is not None else None
+    return grads[0], grads[1], grads[2], dg, dh0
+
+
+@chunk_linear_attention_bwd_op.register_fake
+def _(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, resets: Tensor | None,
+    h0: Tensor | None, do: Tensor, dht: Tensor | None, chunk_size: int, backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    dg = q.new_empty(0) if g is None else torch.empty_like(g, memory_format=torch.contiguous_format)
+    dh0 = q.new_empty(0) if h0 is None else torch.empty_like(h0)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dg, dh0
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    q, k, v, g, resets, h0, chunk_size, backend = inputs
+    ctx.save_for_backward(q, k, v, g, resets, h0)
+    ctx.chunk_size, ctx.backend = chunk_size, backend
+    ctx.has_g, ctx.has_h0 = g is not None, h0 is not None
+
+
+def _backward(ctx: Any, do: Tensor | None, dht: Tensor | None) -> tuple[Tensor | None, ...]:
+    q, k, v, g, resets, h0 = ctx.saved_tensors
+    if do is None:
+        do = q.new_zeros(*q.shape[:3], v.shape[-1])
+    dq, dk, dv, dg, dh0 = chunk_linear_attention_bwd_op(
+        q, k, v, g, resets, h0, do, dht, ctx.chunk_size, ctx.backend
+    )
+    return (
+        dq, dk, dv, dg if ctx.has_g else None, None, dh0 if ctx.has_h0 else None, None, None,
+    )
+
+
+chunk_linear_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def make_chunk_impl(backend: str) -> Callable[..., tuple[Tensor, Tensor]]:
+    """A callable with the signature of :func:`hla_sp.ops.chunk.chunk_linear_attention`
+    that runs ``backend`` through the custom operator."""
+
+    def impl(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        g: Tensor | None,
+        *,
+        resets: Tensor | None = None,
+        h0: Tensor | None = None,
+        chunk_size: int = 64,
+    ) -> tuple[Tensor, Tensor]:
+        return chunk_linear_attention_op(q, k, v, g, resets, h0, chunk_size, backend)
+
+    return impl
