@@ -1,0 +1,179 @@
+"""Checkpoints: atomic, resumable bit for bit, loadable with ``weights_only=True``.
+
+Layout (a shared filesystem is assumed, as Megatron does)::
+
+    SAVE/latest_checkpointed_iteration.txt     written last; names a complete iter_ dir
+    SAVE/iter_0000042/model_optim_tp00.pt      model, optimizer, scheduler, data position
+    SAVE/iter_0000042/rng_rank00003.pt         one per rank: torch, CUDA, python, numpy RNG
+
+All ranks write into ``iter_0000042.tmp``; after a barrier rank 0 renames the directory
+and only then rewrites ``latest``. A crash at any point leaves the previous checkpoint
+as the latest, never a half-written one. Model and optimizer state is identical across
+data- and context-parallel replicas, so one replica per tensor-parallel rank writes it;
+a checkpoint therefore also loads at a different CP or DP size (RNG states are then
+reseeded, with a warning).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+LATEST = "latest_checkpointed_iteration.txt"
+
+
+def iter_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def _atomic_write_bytes(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _atomic_torch_save(obj: Any, path: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG the run touches, as tensors and plain values (``weights_only``-safe)."""
+    py = random.getstate()
+    kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    out: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [kind, torch.from_numpy(np.asarray(keys, dtype=np.int64)), pos, has_gauss, gauss],
+    }
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    v, internal, gauss = state["python"]
+    random.setstate((v, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save(
+    root: str,
+    iteration: int,
+    *,
+    rank: int,
+    world_size: int,
+    tp_rank: int,
+    writes_model: bool,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    consumed_samples: int,
+    config: dict[str, Any],
+) -> str:
+    """Write a checkpoint collectively (every rank calls it); return its directory."""
+    final = iter_dir(root, iteration)
+    tmp = final + ".tmp"
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
+        os.makedirs(tmp)
+    dist.barrier()
+    if writes_model:
+        _atomic_torch_save(
+            {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "iteration": iteration,
+                "consumed_samples": consumed_samples,
+                "world_size": world_size,
+                "config": config,
+            },
+            os.path.join(tmp, f"model_optim_tp{tp_rank:02d}.pt"),
+        )
+    _atomic_torch_save(
+        {"rng": rng_state(), "world_size": world_size},
+        os.path.join(tmp, f"rng_rank{rank:05d}.pt"),
+    )
+    dist.barrier()  # every file is complete before the directory becomes visible
+    if rank == 0:
+        if os.path.isdir(final):  # re-saving an iteration: replace it whole
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        _atomic_write_bytes(os.path.join(root, LATEST), f"{iteration}\n".encode())
+        _fsync_dir(root)
+    dist.barrier()
+    return final
+
+
+def latest_iteration(root: str) -> int | None:
+    """The iteration ``latest`` names, or None if the directory holds no checkpoint."""
+    path = os.path.join(root, LATEST)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return int(f.read().strip())
+
+
+def load(
+    root: str,
+    *,
+    rank: int,
+    world_size: int,
+    tp_rank: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+) -> dict[str, Any]:
+    """Restore the latest checkpoint under ``root``; return iteration and data position."""
+    it = latest_iteration(root)
+    if it is None:
+        raise FileNotFoundError(
+            f"--load {root}: no {LATEST}; it holds no complete checkpoint (was --save used?)"
+        )
+    d = iter_dir(root, it)
+    state = torch.load(
+        os.path.join(d, f"model_optim_tp{tp_rank:02d}.pt"), map_location="cpu", weights_only=True
+    )
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    rng_path = os.path.join(d, f"rng_rank{rank:05d}.pt")
+    if state["world_size"] == world_size and os.path.isfile(rng_path):
+        set_rng_state(torch.load(rng_path, map_location="cpu", weights_only=True)["rng"])
+    else:
+        warnings.warn(
+            f"checkpoint {d} was written by {state['world_size']} ranks, this run has "
+            f"{world_size}: model, optimizer, scheduler and data position resume, RNG "
+            f"streams are reseeded (dropout masks will differ from an uninterrupted run)",
+            stacklevel=2,
+        )
+    return {"iteration": state["iteration"], "consumed_samples": state["consumed_samples"]}

@@ -1,0 +1,252 @@
+"""Training data: Megatron indexed datasets, a built-in byte-level corpus, synthetic recall.
+
+Every source maps a *sample index* to ``seq_length + 1`` tokens with no hidden state:
+the order is a seeded permutation per epoch. A checkpoint therefore only needs the
+number of samples consumed to resume the data stream exactly.
+
+Tokens are byte-level for the built-in sources: ids 0..255 are bytes and
+:data:`EOD` (256) ends a document, so the vocabulary is 257 before padding.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+EOD = 256
+BYTE_VOCAB = 257
+
+# synthetic-recall token ranges (all inside the byte vocabulary)
+_KEYS = (16, 80)  # 64 possible keys
+_VALUES = (80, 144)  # 64 possible values: ln(64) is the loss without recall
+_FILLER = (144, 256)
+NUM_RECALL_VALUES = _VALUES[1] - _VALUES[0]
+
+
+def stdlib_files() -> list[str]:
+    """The Python standard library's .py sources, in a fixed order (no site-packages)."""
+    root = sysconfig.get_paths()["stdlib"]
+    out: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages"))
+        out += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
+    return out
+
+
+def builtin_text_tokens(min_tokens: int, budget: int = 8 << 20) -> np.ndarray:
+    """Byte tokens of standard-library sources, documents separated by EOD.
+
+    Reads files in order until ``max(budget, min_tokens)`` tokens; no download, and the
+    same on every machine with the same Python version.
+    """
+    want = max(budget, min_tokens)
+    parts: list[np.ndarray] = []
+    total = 0
+    for path in stdlib_files():
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        parts.append(np.frombuffer(raw, dtype=np.uint8).astype(np.int32))
+        parts.append(np.array([EOD], dtype=np.int32))
+        total += len(raw) + 1
+        if total >= want:
+            break
+    return np.concatenate(parts)
+
+
+class IndexedTokens:
+    """A Megatron indexed dataset (or several), read as one stream of tokens.
+
+    Uses ``megatron.core.datasets.indexed_dataset.IndexedDataset`` (memory-mapped), so
+    existing Megatron data works unchanged and nothing is loaded whole.
+    """
+
+    def __init__(self, prefixes: list[str]):
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+        self.datasets = [IndexedDataset(p) for p in prefixes]
+        # (dataset, sequence) in order, and where each starts in the stream
+        self._seq: list[tuple[int, int]] = []
+        lengths: list[np.ndarray] = []
+        for d, ds in enumerate(self.datasets):
+            n = len(ds.sequence_lengths)
+            self._seq += [(d, i) for i in range(n)]
+            lengths.append(np.asarray(ds.sequence_lengths, dtype=np.int64))
+        lens = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+        self._starts = np.concatenate([[0], np.cumsum(lens)])
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens ``[start, start + length)`` of the stream."""
+        out = np.empty(length, dtype=np.int64)
+        pos, filled = start, 0
+        s = int(np.searchsorted(self._starts, pos, side="right")) - 1
+        while filled < length:
+            d, i = self._seq[s]
+            off = pos - int(self._starts[s])
+            take = min(length - filled, int(self._starts[s + 1]) - pos)
+            out[filled : filled + take] = self.datasets[d].get(i, offset=off, length=take)
+            filled += take
+            pos += take
+            s += 1
+        return out
+
+    def max_token(self) -> int:
+        """Largest token id (one pass over the memory map)."""
+        return max(
+            int(np.memmap(ds.path_prefix + ".bin", dtype=ds.index.dtype, mode="r").max())
+            for ds in self.datasets
+        )
+
+
+class ArrayTokens:
+    """An in-memory token stream (the built-in corpus)."""
+
+    def __init__(self, tokens: np.ndarray):
+        self.tokens = tokens
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        return self.tokens[start : start + length].astype(np.int64)
+
+
+@dataclass
+class Sample:
+    """One sample: ``tokens``/``labels``/``loss_mask`` of length ``seq_length``."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+
+
+class TextSamples:
+    """Non-overlapping windows of ``seq_length + 1`` tokens, shuffled per epoch."""
+
+    def __init__(self, stream: IndexedTokens | ArrayTokens, seq_length: int, seed: int):
+        self.stream, self.seq_length, self.seed = stream, seq_length, seed
+        self.num_windows = (len(stream) - 1) // seq_length
+        if self.num_windows < 1:
+            raise ValueError(
+                f"the data has {len(stream)} tokens, fewer than one sample of --seq-length "
+                f"{seq_length} + 1; use more data or a shorter --seq-length"
+            )
+        self._perm_epoch = -1
+        self._perm = np.zeros(0, np.int64)
+
+    def __getitem__(self, index: int) -> Sample:
+        epoch, i = divmod(index, self.num_windows)
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+            self._perm_epoch = epoch
+        w = int(self._perm[i])
+        x = torch.from_numpy(self.stream.read(w * self.seq_length, self.seq_length + 1))
+        return Sample(x[:-1].clone(), x[1:].clone(), torch.ones(self.seq_length))
+
+
+def recall_positions(seq_length: int, pairs: int) -> tuple[int, int]:
+    """Where the pairs are written (0) and where they are queried (the middle)."""
+    return 0, seq_length // 2
+
+
+def recall_layout_error(seq_length: int, cp: int, pairs: int) -> str | None:
+    """Why a synthetic-recall layout cannot prove cross-rank flow, or None if it can.
+
+    The pairs must lie in the first zigzag chunk (rank 0) and the queries, from the
+    middle of the sequence, in chunk CP, which rank CP-1 holds: for CP >= 2 they are
+    on different ranks, so recall needs the scan across ranks.
+    """
+    if pairs < 1 or pairs > _KEYS[1] - _KEYS[0]:
+        return f"--recall-pairs must be in [1, {_KEYS[1] - _KEYS[0]}], got {pairs}"
+    chunk = seq_length // (2 * cp)
+    if 2 * pairs > chunk:
+        need = 2 * pairs * 2 * cp
+        return (
+            f"--data synthetic-recall: {pairs} pairs take {2 * pairs} tokens, more than one "
+            f"zigzag chunk (seq-length / (2 x CP) = {chunk}); use --seq-length >= {need} "
+            f"or fewer --recall-pairs"
+        )
+    return None
+
+
+class RecallSamples:
+    """Key-value pairs at the start, filler, then the same keys queried mid-sequence.
+
+    Only the value predicted right after a queried key counts in the loss; without the
+    pairs that value is uniform over 64 ids, so a loss below ln(64) needs information
+    from the start of the sequence (rank 0) to reach the query (another rank under CP).
+    """
+
+    def __init__(self, seq_length: int, pairs: int, seed: int):
+        self.seq_length, self.pairs, self.seed = seq_length, pairs, seed
+
+    def __getitem__(self, index: int) -> Sample:
+        T, n = self.seq_length, self.pairs
+        rng = np.random.default_rng([self.seed, 7, index])
+        x = rng.integers(*_FILLER, size=T + 1)
+        keys = rng.choice(np.arange(*_KEYS), size=n, replace=False)
+        vals = rng.integers(*_VALUES, size=n)
+        x[0 : 2 * n : 2], x[1 : 2 * n : 2] = keys, vals
+        _, q0 = recall_positions(T, n)
+        order = rng.permutation(n)
+        x[q0 : q0 + 2 * n : 2], x[q0 + 1 : q0 + 2 * n : 2] = keys[order], vals[order]
+        x = torch.from_numpy(x.astype(np.int64))
+        mask = torch.zeros(T)
+        mask[q0 : q0 + 2 * n : 2] = 1.0  # input = queried key, label = its value
+        return Sample(x[:-1].clone(), x[1:].clone(), mask)
+
+
+def build_samples(
+    data: str, data_path: list[str] | None, seq_length: int, seed: int, recall_pairs: int
+) -> TextSamples | RecallSamples:
+    """The sample source a config names."""
+    if data == "synthetic-recall":
+        return RecallSamples(seq_length, recall_pairs, seed)
+    if data_path:
+        return TextSamples(IndexedTokens(data_path), seq_length, seed)
+    # enough for 8 samples even at million-token lengths
+    return TextSamples(ArrayTokens(builtin_text_tokens(8 * (seq_length + 1))), seq_length, seed)
+
+
+def infer_vocab_size(data: str, data_path: list[str] | None) -> int:
+    """Vocabulary size before padding."""
+    if data_path and data == "text":
+        return IndexedTokens(data_path).max_token() + 1
+    return BYTE_VOCAB
+
+
+def microbatches(
+    samples: TextSamples | RecallSamples,
+    consumed: int,
+    global_batch: int,
+    micro_batch: int,
+    dp_rank: int,
+    dp_size: int,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """This data-parallel rank's microbatches of one global batch, as full sequences.
+
+    Sample ``consumed + (m * dp_size + dp_rank) * micro_batch + j`` goes to microbatch
+    m, row j: the same samples reach the same model replica whatever the CP size, so
+    runs at different CP sizes see identical data.
+    """
+    per_step = micro_batch * dp_size
+    for m in range(global_batch // per_step):
+        base = consumed + (m * dp_size + dp_rank) * micro_batch
+        rows = [samples[base + j] for j in range(micro_batch)]
+        T = rows[0].tokens.shape[0]
+        yield {
+            "tokens": torch.stack([r.tokens for r in rows]),
+            "labels": torch.stack([r.labels for r in rows]),
+            "loss_mask": torch.stack([r.loss_mask for r in rows]),
+            "position_ids": torch.arange(T).unsqueeze(0).expand(micro_batch, T).contiguous(),
+        }

@@ -1,0 +1,107 @@
+"""Build the megatron-core GPT the trainer trains: HLA core attention, CPU-friendly options.
+
+Choices forced by CPU runs, harmless on GPU:
+- ``use_cpu_initialization=True``: weights are created whole on the CPU and split for
+  tensor parallelism, so the same seed gives the same model at every TP/CP size;
+- activation recompute uses ``torch.utils.checkpoint`` (non-reentrant, RNG preserved)
+  instead of Megatron's own, whose RNG tracker needs CUDA.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from hla_sp.launch.config import TrainConfig
+from torch.utils.checkpoint import checkpoint
+
+
+def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padding: a multiple of ``divisible_by * tp``."""
+    m = divisible_by * tp
+    return (vocab + m - 1) // m * m
+
+
+def layer_spec(cfg: TrainConfig) -> Any:
+    """The transformer layer spec: HLA core attention from ``hla_sp.megatron_patch``."""
+    if cfg.attention == "softmax":
+        from hla_sp.launch._standin import softmax_cpu_spec  # TEMPORARY until issue 5 lands
+
+        return softmax_cpu_spec()
+    from hla_sp.megatron_patch import get_hla_layer_local_spec
+
+    return get_hla_layer_local_spec(**cfg.hla)
+
+
+def transformer_config(cfg: TrainConfig) -> Any:
+    """megatron-core's TransformerConfig for this run."""
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        hidden_dropout=cfg.hidden_dropout,
+        attention_dropout=cfg.attention_dropout,
+        init_method_std=cfg.init_method_std,
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        context_parallel_size=cfg.context_parallel_size,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        # fusions need apex/TE or CUDA; the unfused paths are exact and portable
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def _checkpointed(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return fn(*args, **kwargs)
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+    return run
+
+
+def apply_recompute(model: torch.nn.Module, granularity: str | None) -> int:
+    """Recompute each transformer layer (full) or each core attention (selective) in
+    backward; returns how many modules were wrapped."""
+    if granularity is None:
+        return 0
+    wrapped = 0
+    for layer in model.decoder.layers:
+        target = layer if granularity == "full" else layer.self_attention.core_attention
+        target.forward = _checkpointed(target.forward)
+        wrapped += 1
+    return wrapped
+
+
+def build_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
+    """The GPTModel (pre/post process on: no pipeline parallelism), recompute applied."""
+    from megatron.core.models.gpt import GPTModel
+
+    model = GPTModel(
+        config=transformer_config(cfg),
+        transformer_layer_spec=layer_spec(cfg),
+        vocab_size=padded_vocab_size(
+            vocab_size, cfg.make_vocab_size_divisible_by, cfg.tensor_model_parallel_size
+        ),
+        max_sequence_length=cfg.max_position_embeddings or cfg.seq_length,
+        position_embedding_type=cfg.position_embedding_type,
+        share_embeddings_and_output_weights=True,
+    )
+    granularity = cfg.recompute_granularity or ("selective" if cfg.recompute_activations else None)
+    apply_recompute(model, granularity)
+    if cfg.attention != "softmax":
+        from hla_sp.megatron_patch import assert_hla_model
+
+        assert_hla_model(model)
+    return model

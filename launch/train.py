@@ -1,0 +1,338 @@
+"""The trainer: ``torchrun --nproc-per-node N -m hla_sp.launch.train <flags>``.
+
+A megatron-core GPT with HLA core attention. Each optimizer step:
+
+1. every data-parallel replica takes its microbatches of the global batch (full
+   sequences), and each context-parallel rank keeps its zigzag share through
+   Megatron's ``get_batch_on_this_cp_rank``;
+2. the loss is the token mean over the whole global batch: each rank backpropagates
+   (its masked loss sum) / (global token count), so summing gradients over the DP x CP
+   group gives exactly the single-process gradient;
+3. gradients are all-reduced over DP x CP, clipped by the global norm (TP-aware), and
+   AdamW steps with Megatron's warmup + cosine scheduler.
+
+:class:`Trainer` is also what the Ray sweep runs inside each worker.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+# Megatron warns on import about apex/TE; on CPU that is the expected state.
+warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+warnings.filterwarnings("ignore", message=".*apex.*", category=UserWarning)
+warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from hla_sp.launch import checkpoint, faults, metrics  # noqa: E402
+from hla_sp.launch.config import (  # noqa: E402
+    ConfigError,
+    TrainConfig,
+    parse_args,
+    validate,
+    world_size_from_env,
+)
+from hla_sp.launch.data import build_samples, infer_vocab_size, microbatches  # noqa: E402
+from hla_sp.launch.distributed import Topology, init_distributed, shutdown  # noqa: E402
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """No weight decay on biases and norm weights (1-D), as Megatron does."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 else decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0},
+        {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0},
+    ]
+
+
+class Trainer:
+    """Model, optimizer, scheduler, data and the step; built inside a process group."""
+
+    def __init__(self, cfg: TrainConfig, topo: Topology):
+        from hla_sp.launch.model import build_model
+        from megatron.core import parallel_state as ps
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        self.cfg, self.topo = cfg, topo
+        self.dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.global_batch = cfg.global_batch_size or cfg.micro_batch_size * topo.dp
+        self.samples = build_samples(
+            cfg.data, cfg.data_path, cfg.seq_length, cfg.seed, cfg.recall_pairs
+        )
+        vocab = cfg.vocab_size or infer_vocab_size(cfg.data, cfg.data_path)
+        # identical initial weights on every rank: Megatron's CPU init draws the whole
+        # matrix from the default generator, then keeps this TP rank's slice
+        torch.manual_seed(cfg.seed)
+        self.model = build_model(cfg, vocab).to(topo.device)
+        self.optimizer = torch.optim.AdamW(
+            _param_groups(self.model, cfg.weight_decay),
+            lr=cfg.lr,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            eps=cfg.adam_eps,
+        )
+        decay_iters = cfg.lr_decay_iters or cfg.train_iters
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0 if cfg.lr_warmup_iters else cfg.lr,
+            max_lr=cfg.lr,
+            min_lr=cfg.min_lr,
+            lr_warmup_steps=cfg.lr_warmup_iters,
+            lr_decay_steps=max(decay_iters, cfg.lr_warmup_iters + 1),
+            lr_decay_style=cfg.lr_decay_style,
+            start_wd=cfg.weight_decay,
+            end_wd=cfg.weight_decay,
+            wd_incr_steps=max(cfg.train_iters, 1),
+            wd_incr_style="constant",
+        )
+        self.iteration = 0
+        self.consumed_samples = 0
+        # training-time randomness (dropout) starts from a known state on every rank
+        torch.manual_seed(cfg.seed + 1)
+        if cfg.load:
+            pos = checkpoint.load(
+                cfg.load,
+                rank=topo.rank,
+                world_size=topo.world_size,
+                tp_rank=topo.tp_rank,
+                model=self.model,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+            )
+            self.iteration, self.consumed_samples = pos["iteration"], pos["consumed_samples"]
+        self.rss_before_train = metrics.current_rss_bytes()
+
+    # -- one optimizer step ---------------------------------------------------------
+    def _cp_slice(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        from megatron.core.utils import get_batch_on_this_cp_rank
+
+        batch = {k: v.to(self.topo.device) for k, v in batch.items()}
+        return get_batch_on_this_cp_rank(batch)
+
+    def _all_reduce_grads(self) -> None:
+        if dist.get_world_size(self.dp_cp_group) == 1:
+            return
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.dp_cp_group)
+        for p, g in zip(params, torch._utils._unflatten_dense_tensors(flat, grads)):
+            p.grad = g
+
+    def _clip(self) -> float:
+        """Clip by the global L2 norm; TP-duplicated parameters are counted once."""
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        sq = torch.zeros((), dtype=torch.float32, device=self.topo.device)
+        for p in self.model.parameters():
+            if p.grad is not None and param_is_not_tensor_parallel_duplicate(p):
+                sq += p.grad.float().pow(2).sum()
+        if self.topo.tp > 1:
+            dist.all_reduce(sq, group=self.tp_group)
+        norm = float(sq.sqrt())
+        if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
+            scale = self.cfg.clip_grad / (norm + 1e-6)
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        return norm
+
+    def step(self) -> dict[str, Any]:
+        """Train one global batch; return the iteration's record (loss reduced globally)."""
+        cfg, topo = self.cfg, self.topo
+        faults.maybe_inject(topo.rank, self.iteration + 1)
+        t0 = time.perf_counter()
+        self.model.train()
+        batches = [
+            self._cp_slice(b)
+            for b in microbatches(
+                self.samples,
+                self.consumed_samples,
+                self.global_batch,
+                cfg.micro_batch_size,
+                topo.dp_rank,
+                topo.dp,
+            )
+        ]
+        # the denominator of the token mean over the whole global batch
+        count = torch.stack([b["loss_mask"].sum() for b in batches]).sum().reshape(1).double()
+        dist.all_reduce(count, group=self.dp_cp_group)
+        total_tokens = float(count.item())
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros(1, dtype=torch.float64, device=topo.device)
+        for b in batches:
+            per_token = self.model(
+                b["tokens"], b["position_ids"], None, labels=b["labels"]
+            )  # [b, s_local]
+            local = (per_token.float() * b["loss_mask"]).sum()
+            (local / max(total_tokens, 1.0)).backward()
+            loss_sum += local.detach().double()
+        self._all_reduce_grads()
+        dist.all_reduce(loss_sum, group=self.dp_cp_group)
+        grad_norm = self._clip()
+        lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step used
+        self.optimizer.step()
+        self.scheduler.step(1)
+        if topo.device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        self.iteration += 1
+        self.consumed_samples += self.global_batch
+        peaks = torch.tensor([metrics.peak_memory_bytes()], dtype=torch.int64)
+        gathered = [torch.zeros_like(peaks) for _ in range(topo.world_size)]
+        dist.all_gather(gathered, peaks.to(topo.device) if topo.device.type == "cuda" else peaks)
+        per_rank = [int(g.item()) for g in gathered]
+        tokens = self.global_batch * cfg.seq_length
+        return {
+            "iteration": self.iteration,
+            "loss": float(loss_sum.item() / max(total_tokens, 1.0)),
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens": tokens,
+            "tokens_per_s": tokens / dt,
+            "step_time_s": dt,
+            "peak_mem_bytes": max(per_rank),
+            "peak_mem_bytes_per_rank": per_rank,
+            "seq_length": cfg.seq_length,
+            "cp": topo.cp,
+            "tp": topo.tp,
+            "dp": topo.dp,
+            "world_size": topo.world_size,
+            "attention": cfg.attention,
+        }
+
+    def save(self) -> str:
+        return checkpoint.save(
+            self.cfg.save,  # type: ignore[arg-type]
+            self.iteration,
+            rank=self.topo.rank,
+            world_size=self.topo.world_size,
+            tp_rank=self.topo.tp_rank,
+            writes_model=self.topo.dp_rank == 0 and self.topo.cp_rank == 0,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            consumed_samples=self.consumed_samples,
+            config=self.cfg.to_dict(),
+        )
+
+    # -- the loop -------------------------------------------------------------------
+    def train(
+        self,
+        on_record: Callable[[dict[str, Any]], None] | None = None,
+        heartbeat: faults.Heartbeat | None = None,
+    ) -> list[dict[str, Any]]:
+        """Step until --train-iters (or --exit-interval); log, save; return the records."""
+        cfg, first = self.cfg, self.topo.is_first
+        log = metrics.JsonlLog(cfg.log_jsonl if first else None)
+        records = []
+        try:
+            while self.iteration < cfg.train_iters:
+                rec = self.step()
+                records.append(rec)
+                if heartbeat is not None:
+                    heartbeat.iteration = self.iteration
+                log.write(rec)
+                if on_record is not None:
+                    on_record(rec)
+                if first and (self.iteration % cfg.log_interval == 0 or self.iteration == 1):
+                    metrics.say(metrics.progress_line(rec, cfg.train_iters))
+                done = self.iteration >= cfg.train_iters
+                stop = cfg.exit_interval is not None and self.iteration % cfg.exit_interval == 0
+                periodic = cfg.save_interval is not None and self.iteration % cfg.save_interval == 0
+                if cfg.save and (done or stop or periodic):
+                    path = self.save()
+                    if first:
+                        metrics.say(f"saved checkpoint {path}")
+                if stop and not done:
+                    if first:
+                        metrics.say(
+                            f"--exit-interval {cfg.exit_interval}: stopping at {self.iteration}"
+                        )
+                    break
+        finally:
+            log.close()
+        return records
+
+
+def _banner(cfg: TrainConfig, topo: Topology, trainer: Trainer) -> str:
+    n = sum(p.numel() for p in trainer.model.parameters())
+    return (
+        f"hla-sp train: {cfg.attention} GPT, {cfg.num_layers} layers x {cfg.hidden_size} hidden, "
+        f"{cfg.num_attention_heads} heads, {n:,} parameters (per TP rank); seq {cfg.seq_length:,}, "
+        f"global batch {trainer.global_batch}; world {topo.world_size} = TP {topo.tp} x "
+        f"CP {topo.cp} x DP {topo.dp} on {dist.get_backend()} ({topo.device.type}); "
+        f"data {cfg.data}{' ' + ','.join(cfg.data_path) if cfg.data_path else ''}"
+        + (f"; resumed at iteration {trainer.iteration}" if cfg.load else "")
+    )
+
+
+def run(
+    cfg: TrainConfig,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
+    exit_on_error: bool = True,
+) -> list[dict[str, Any]]:
+    """Validate, join the process group, train, shut down; return the records.
+
+    Used by ``main`` under torchrun and by the Ray sweep inside each worker (which
+    passes ``exit_on_error=False`` so that Ray sees the exception).
+    """
+    world = dist.get_world_size() if dist.is_initialized() else world_size_from_env()
+    validate(cfg, world)  # before any process group is created
+    topo = init_distributed(
+        cfg.tensor_model_parallel_size, cfg.context_parallel_size, cfg.distributed_timeout_minutes
+    )
+    heartbeat = faults.Heartbeat(topo.rank)
+    try:
+        trainer = Trainer(cfg, topo)
+        if topo.is_first:
+            metrics.say(_banner(cfg, topo, trainer))
+        records = trainer.train(on_record, heartbeat)
+        if topo.is_first:
+            if records:
+                metrics.say(
+                    f"done: loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} over "
+                    f"{len(records)} iterations; peak memory per rank "
+                    f"{[metrics.gib(m) for m in records[-1]['peak_mem_bytes_per_rank']]}"
+                )
+            if cfg.log_jsonl:
+                metrics.say(
+                    f"metrics: {os.path.abspath(cfg.log_jsonl)} (one JSON line per iteration)"
+                )
+    except Exception as err:
+        heartbeat.stop()
+        traceback.print_exc()
+        metrics.say(faults.report_failure(topo.rank, topo.world_size, err), sys.stderr)
+        if not exit_on_error:
+            raise
+        # a broken group can hang in destroy or atexit; leave now, non-zero
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    heartbeat.stop()
+    shutdown(topo)
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    try:
+        run(cfg)
+    except ConfigError as e:
+        print(f"hla_sp.launch.train: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
