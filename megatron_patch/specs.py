@@ -1,0 +1,182 @@
+"""Transformer-layer specs with HLA in the core-attention slot.
+
+* :func:`get_hla_layer_local_spec`: megatron-core's ``get_gpt_layer_local_spec`` with
+  the core attention replaced by :class:`HLACoreAttention`;
+* :func:`get_hla_layer_te_spec`: the same over the Transformer Engine spec;
+* :func:`get_hla_layer_spec`: TE when ``transformer_engine`` imports, else local;
+* module-level specs for Megatron's ``--spec MODULE NAME``:
+  ``--spec hla_sp.megatron_patch.specs hla2_layer_spec`` (also ``ahla_layer_spec``,
+  ``hla3_layer_spec``), with the default HLA options.
+
+Two silent failures of Megatron are guarded here:
+
+* ``--spec`` imports the module inside ``try: ... except ImportError: return None`` and
+  then builds the default (softmax) spec. An ImportError raised while this module
+  loads is therefore re-raised as a RuntimeError, which that ``except`` lets through.
+* Newer GPT builders overwrite ``core_attention`` with DotProductAttention under
+  ``--attention-backend local``. The submodules object of an HLA spec refuses that
+  assignment, loudly.
+
+HLA options travel in the core-attention ModuleSpec's ``params``; Megatron's
+``SelfAttention`` calls that spec (``ModuleSpec.__call__`` -> ``build_module``), which
+merges them with its own constructor arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from typing import Any
+
+try:
+    from hla_sp.megatron_patch.core_attention import SP_METHODS, HLACoreAttention
+    from megatron.core.models.gpt import gpt_layer_specs as _gpt_specs
+    from megatron.core.transformer.attention import SelfAttentionSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from hla_sp.nn import DECAYS, DEFAULT_DECAY, DEFAULT_OPERATOR, OPERATORS
+    from hla_sp.ops.linear_attention import DEFAULT_CHUNK_SIZE
+except ImportError as e:  # see the module docstring: never let --spec swallow this
+    raise RuntimeError(
+        f"hla_sp.megatron_patch.specs could not be imported ({type(e).__name__}: {e}). "
+        "Megatron's --spec would hide this ImportError and train plain softmax attention; "
+        "install megatron-core and hla-sp in this environment."
+    ) from e
+
+HLA_OPERATORS = ("hla2", "ahla", "hla3")
+
+
+class HLASelfAttentionSubmodules(SelfAttentionSubmodules):
+    """SelfAttentionSubmodules whose core attention can only be HLA once set."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "core_attention" and "core_attention" in self.__dict__ and not is_hla_builder(
+            value
+        ):
+            raise RuntimeError(
+                f"HLA layer spec: refusing to replace the HLA core attention with {value!r}. "
+                "Megatron's GPT builder does this under --attention-backend local; drop that "
+                "flag (use the default 'auto') to train with HLA."
+            )
+        super().__setattr__(name, value)
+
+
+def is_hla_builder(builder: Any) -> bool:
+    """Whether a core-attention builder (class or ModuleSpec) builds HLACoreAttention."""
+    module = builder.module if isinstance(builder, ModuleSpec) else builder
+    return isinstance(module, type) and issubclass(module, HLACoreAttention)
+
+
+def hla_core_attention_spec(
+    operator: str = DEFAULT_OPERATOR,
+    *,
+    decay: str = DEFAULT_DECAY,
+    normalize: bool = False,
+    ridge: float = 0.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    sp_method: str = "allgather",
+    qk_norm: bool = True,
+    output_norm: bool = True,
+) -> ModuleSpec:
+    """The ModuleSpec of HLACoreAttention with its options as params (checked here)."""
+    if operator not in OPERATORS:
+        raise ValueError(f"operator: expected one of {OPERATORS}, got {operator!r}")
+    if decay not in DECAYS:
+        raise ValueError(f"decay: expected one of {DECAYS}, got {decay!r}")
+    if sp_method not in SP_METHODS:
+        raise ValueError(f"sp_method: expected one of {SP_METHODS}, got {sp_method!r}")
+    return ModuleSpec(
+        module=HLACoreAttention,
+        params=dict(operator=operator, decay=decay, normalize=normalize, ridge=ridge,
+                    chunk_size=chunk_size, sp_method=sp_method, qk_norm=qk_norm,
+                    output_norm=output_norm),
+    )
+
+
+def _replace_core_attention(layer_spec: ModuleSpec, core: ModuleSpec) -> ModuleSpec:
+    attn = getattr(layer_spec.submodules, "self_attention", None)
+    sub = getattr(attn, "submodules", None)
+    if not isinstance(sub, SelfAttentionSubmodules):
+        raise TypeError(
+            "layer spec: expected a TransformerLayer spec whose self_attention has "
+            f"SelfAttentionSubmodules (not MLA/MoE-block variants), got {type(sub).__name__}"
+        )
+    fields = {f.name: getattr(sub, f.name) for f in dataclasses.fields(sub)}
+    fields["core_attention"] = core
+    attn.submodules = HLASelfAttentionSubmodules(**fields)
+    return layer_spec
+
+
+def get_hla_layer_local_spec(
+    operator: str = DEFAULT_OPERATOR,
+    *,
+    decay: str = DEFAULT_DECAY,
+    normalize: bool = False,
+    ridge: float = 0.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    sp_method: str = "allgather",
+    qk_norm: bool = True,
+    output_norm: bool = True,
+    **megatron_kwargs: Any,
+) -> ModuleSpec:
+    """``get_gpt_layer_local_spec(**megatron_kwargs)`` with HLA as core attention.
+
+    ``megatron_kwargs`` go to megatron-core's function unchanged (e.g.
+    ``normalization="RMSNorm"``); HLA options become the core attention's params.
+    """
+    core = hla_core_attention_spec(operator, decay=decay, normalize=normalize, ridge=ridge,
+                                   chunk_size=chunk_size, sp_method=sp_method, qk_norm=qk_norm,
+                                   output_norm=output_norm)
+    return _replace_core_attention(_gpt_specs.get_gpt_layer_local_spec(**megatron_kwargs), core)
+
+
+def te_available() -> bool:
+    """Whether Transformer Engine imports (it needs CUDA)."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # a broken TE install counts as absent, as in megatron-core
+        return False
+    return True
+
+
+def get_hla_layer_te_spec(
+    operator: str = DEFAULT_OPERATOR,
+    *,
+    decay: str = DEFAULT_DECAY,
+    normalize: bool = False,
+    ridge: float = 0.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    sp_method: str = "allgather",
+    qk_norm: bool = True,
+    output_norm: bool = True,
+    **megatron_kwargs: Any,
+) -> ModuleSpec:
+    """``get_gpt_layer_with_transformer_engine_spec`` with HLA as core attention.
+
+    TE's fused layernorm + QKV linear and MLP stay; only the attention core changes.
+    """
+    if not te_available():
+        raise RuntimeError("get_hla_layer_te_spec: transformer_engine does not import here; "
+                           "use get_hla_layer_local_spec")
+    core = hla_core_attention_spec(operator, decay=decay, normalize=normalize, ridge=ridge,
+                                   chunk_size=chunk_size, sp_method=sp_method, qk_norm=qk_norm,
+                                   output_norm=output_norm)
+    te = _gpt_specs.get_gpt_layer_with_transformer_engine_spec(**megatron_kwargs)
+    return _replace_core_attention(te, core)
+
+
+def get_hla_layer_spec(operator: str = DEFAULT_OPERATOR, *, use_te: bool | None = None,
+                       **kwargs: Any) -> ModuleSpec:
+    """The TE variant when ``transformer_engine`` imports (or ``use_te``), else local."""
+    if use_te is None:
+        use_te = te_available()
+    fn = get_hla_layer_te_spec if use_te else get_hla_layer_local_spec
+    return fn(operator, **kwargs)
+
+
+# Module-level specs for `--spec hla_sp.megatron_patch.specs hla2_layer_spec`.
+hla2_layer_spec = get_hla_layer_spec("hla2")
+ahla_layer_spec = get_hla_layer_spec("ahla")
+hla3_layer_spec = get_hla_layer_spec("hla3")
