@@ -7,6 +7,11 @@ choice when ``hla_sp.kernels`` is first imported, so a test that sets the variab
 the kernel object is built on first launch, once per mode, and nothing at import time
 touches a GPU driver.
 
+One limit of Triton remains: its standard library (``tl.sum``, ``tl.cumsum``,
+``tl.cdiv``) is jitted when ``triton`` is imported, so the interpreter works only if
+``TRITON_INTERPRET=1`` was set before that import. :func:`interpreter_mismatch`
+detects the other case, and launching then fails with that explanation.
+
 Every launch increments :data:`LAUNCHES` under the kernel's name, so tests can prove
 that the Triton path ran rather than a silent fallback.
 """
@@ -28,6 +33,21 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def interpreter_mismatch() -> str | None:
+    """Why the current interpreter mode cannot run kernels, or None when it can."""
+    from triton.runtime.jit import JITFunction
+
+    stdlib_compiled = isinstance(triton.language.standard.cdiv, JITFunction)
+    if interpreting() and stdlib_compiled:
+        return (
+            "TRITON_INTERPRET=1 was set after triton was imported; Triton's standard "
+            "library is then built for the GPU. Set it before the first `import triton`"
+        )
+    if not interpreting() and not stdlib_compiled:
+        return "triton was imported with TRITON_INTERPRET=1, which is no longer set"
+    return None
+
+
 class LazyKernel:
     """A Triton kernel that is jitted on first launch (``kernel[grid](...)``)."""
 
@@ -38,6 +58,9 @@ class LazyKernel:
 
     def _get(self) -> Any:
         mode = interpreting()
+        reason = interpreter_mismatch()
+        if reason is not None:
+            raise RuntimeError(f"cannot launch {self.__name__}: {reason}")
         if mode not in self._built:
             self._built[mode] = triton.jit(self.fn)
         return self._built[mode]

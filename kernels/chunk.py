@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._jit import lazy_jit
+from ._jit import interpreting, lazy_jit
 
 MIN_CHUNK = 16  # tl.dot needs every dimension >= 16
 MAX_CHUNK = 64  # larger tiles only add register pressure
@@ -67,6 +67,7 @@ def chunk_state_kernel(
     HAS_G: tl.constexpr,
     HAS_R: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """Per chunk, one [BX, BY] block of a weighted x^T y.
 
@@ -107,7 +108,9 @@ def chunk_state_kernel(
     p_y = y + ((i_b * T + o_t[:, None]) * H + i_h) * DY + o_y[None, :]
     b_x = tl.load(p_x, mask=m_t[:, None] & m_x[None, :], other=0.0)
     b_y = tl.load(p_y, mask=m_t[:, None] & m_y[None, :], other=0.0)
-    b_xw = (b_x * b_w[:, None]).to(b_y.dtype)  # [BT, BX]
+    if UPCAST:
+        b_x, b_y = b_x.to(tl.float32), b_y.to(tl.float32)
+    b_xw = (b_x * b_w[:, None]).to(x.dtype.element_ty).to(b_y.dtype)  # [BT, BX]
     b_s = tl.dot(tl.trans(b_xw), b_y, input_precision=DOT_PREC)  # [BX, BY]
     p_s = out + ((i_bh * N + i_n) * DX + o_x[:, None]) * DY + o_y[None, :]
     tl.store(p_s, b_s, mask=m_x[:, None] & m_y[None, :])
@@ -199,6 +202,7 @@ def chunk_fwd_o_kernel(
     HAS_G: tl.constexpr,
     HAS_R: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """Outputs of one chunk, one [BT, BV] block: ((q k^T) * D) v + wc * (q h_in)."""
     i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -233,11 +237,17 @@ def chunk_fwd_o_kernel(
         b_k = tl.load(k + p_qk, mask=m_t[:, None] & m_k[None, :], other=0.0)
         p_h = hs + ((i_bh * N + i_n) * K + o_k[:, None]) * V + o_v[None, :]  # [BK, BV]
         b_h = tl.load(p_h, mask=m_k[:, None] & m_v[None, :], other=0.0)
+        if UPCAST:
+            b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
         b_A += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
-        b_o += tl.dot(b_q, b_h.to(b_q.dtype), input_precision=DOT_PREC)
+        b_h = b_h.to(q.dtype.element_ty).to(b_q.dtype)
+        b_o += tl.dot(b_q, b_h, input_precision=DOT_PREC)
     p_v = ((i_b * T + o_t[:, None]) * H + i_h) * V + o_v[None, :]  # [BT, BV]
     b_v = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
-    b_o = b_o * b_wc[:, None] + tl.dot((b_A * b_D).to(b_v.dtype), b_v, input_precision=DOT_PREC)
+    if UPCAST:
+        b_v = b_v.to(tl.float32)
+    b_AD = (b_A * b_D).to(q.dtype.element_ty).to(b_v.dtype)
+    b_o = b_o * b_wc[:, None] + tl.dot(b_AD, b_v, input_precision=DOT_PREC)
     tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
 
@@ -261,6 +271,7 @@ def chunk_bwd_dv_kernel(
     HAS_G: tl.constexpr,
     HAS_R: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """dv_j = sum_t D[t, j] (q_t . k_j) do_t + ws_j (k_j^T dh_n), one [BT, BV] block."""
     i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -296,13 +307,17 @@ def chunk_bwd_dv_kernel(
         b_k = tl.load(k + p_qk, mask=m_t[:, None] & m_k[None, :], other=0.0)
         p_dh = dhs + ((i_bh * N + i_n) * K + o_k[:, None]) * V + o_v[None, :]  # [BK, BV]
         b_dh = tl.load(p_dh, mask=m_k[:, None] & m_v[None, :], other=0.0)
+        if UPCAST:
+            b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
         b_At += tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC)
-        b_dv += tl.dot(b_k, b_dh.to(b_k.dtype), input_precision=DOT_PREC)
+        b_dh = b_dh.to(q.dtype.element_ty).to(b_k.dtype)
+        b_dv += tl.dot(b_k, b_dh, input_precision=DOT_PREC)
     p_v = ((i_b * T + o_t[:, None]) * H + i_h) * V + o_v[None, :]
     b_do = tl.load(do + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
-    b_dv = b_dv * b_ws[:, None] + tl.dot(
-        (b_At * b_Dt).to(b_do.dtype), b_do, input_precision=DOT_PREC
-    )
+    if UPCAST:
+        b_do = b_do.to(tl.float32)
+    b_AD = (b_At * b_Dt).to(q.dtype.element_ty).to(b_do.dtype)
+    b_dv = b_dv * b_ws[:, None] + tl.dot(b_AD, b_do, input_precision=DOT_PREC)
     tl.store(dv + p_v, b_dv.to(dv.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
 
@@ -330,6 +345,7 @@ def chunk_bwd_dqk_kernel(
     HAS_G: tl.constexpr,
     HAS_R: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """dq, dk of one chunk and one K block, and that block's share of dA.
 
@@ -372,14 +388,20 @@ def chunk_bwd_dqk_kernel(
         p_h = ((i_bh * N + i_n) * K + o_k[:, None]) * V + o_v[None, :]  # [BK, BV]
         b_h = tl.load(hs + p_h, mask=m_k[:, None] & m_v[None, :], other=0.0)
         b_dh = tl.load(dhs + p_h, mask=m_k[:, None] & m_v[None, :], other=0.0)
+        if UPCAST:
+            b_v, b_do = b_v.to(tl.float32), b_do.to(tl.float32)
+        b_h = b_h.to(q.dtype.element_ty).to(b_do.dtype)
+        b_dh = b_dh.to(q.dtype.element_ty).to(b_v.dtype)
         b_dP += tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
-        b_dq += tl.dot(b_do, tl.trans(b_h.to(b_do.dtype)), input_precision=DOT_PREC)
-        b_dk += tl.dot(b_v, tl.trans(b_dh.to(b_v.dtype)), input_precision=DOT_PREC)
+        b_dq += tl.dot(b_do, tl.trans(b_h), input_precision=DOT_PREC)
+        b_dk += tl.dot(b_v, tl.trans(b_dh), input_precision=DOT_PREC)
     p_qk = ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :]  # [BT, BK]
     m_qk = m_t[:, None] & m_k[None, :]
     b_q = tl.load(q + p_qk, mask=m_qk, other=0.0)
     b_k = tl.load(k + p_qk, mask=m_qk, other=0.0)
-    b_dP = (b_dP * b_D).to(b_q.dtype)
+    if UPCAST:
+        b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
+    b_dP = (b_dP * b_D).to(q.dtype.element_ty).to(b_q.dtype)
     b_dq = b_dq * b_wc[:, None] + tl.dot(b_dP, b_k, input_precision=DOT_PREC)
     b_dk = b_dk * b_ws[:, None] + tl.dot(tl.trans(b_dP), b_q, input_precision=DOT_PREC)
     tl.store(dq + p_qk, b_dq.to(dq.dtype.element_ty), mask=m_qk)
@@ -427,6 +449,17 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee"
 
 
+def _upcast(dtype: torch.dtype) -> bool:
+    """Under the interpreter, compute bf16 in fp32 with the roundings emulated.
+
+    Triton's CPU interpreter holds bf16 as raw 16-bit integers: conversions are right,
+    arithmetic and dots on them are not. The kernels then widen every bf16 load to
+    fp32 and round each dot operand through bf16 and back, so the interpreter runs the
+    same roundings as a GPU (truncating instead of rounding to nearest).
+    """
+    return dtype == torch.bfloat16 and interpreting()
+
+
 def _block(d: int, cap: int = 64) -> int:
     """A power-of-two tile covering d (at least 16 for tl.dot), at most ``cap``."""
     return min(max(16, triton.next_power_of_2(d)), cap)
@@ -468,7 +501,7 @@ def chunk_states(
     chunk_state_kernel[(NK * NV, N, B * H)](
         k, v, g, resets, hs, T, H, K, V, N,
         BT=BT, BX=BK, BY=BV, CARRY=False, HAS_G=g is not None, HAS_R=resets is not None,
-        DOT_PREC=_dot_precision(k.dtype),
+        DOT_PREC=_dot_precision(k.dtype), UPCAST=_upcast(k.dtype),
     )
     h_last = torch.empty(B, H, K, V, dtype=torch.float32, device=k.device) if store_last else None
     state_passing_kernel[(NK * NV, B * H)](
@@ -502,7 +535,7 @@ def chunk_fwd(
     chunk_fwd_o_kernel[(triton.cdiv(V, BV), N, B * H)](
         q, k, v, hs, g, resets, o, T, H, K, V, N,
         BT=BT, BK=BK, BV=BV, HAS_G=g is not None, HAS_R=resets is not None,
-        DOT_PREC=_dot_precision(q.dtype),
+        DOT_PREC=_dot_precision(q.dtype), UPCAST=_upcast(q.dtype),
     )
     assert h_last is not None
     return o, h_last
@@ -541,7 +574,8 @@ def chunk_bwd(
     dhs = torch.empty(B, H, N, K, V, dtype=torch.float32, device=q.device)
     chunk_state_kernel[(NK * NV, N, B * H)](
         q, do, g, resets, dhs, T, H, K, V, N,
-        BT=BT, BX=BK, BY=BV, CARRY=True, HAS_G=HAS_G, HAS_R=HAS_R, DOT_PREC=prec,
+        BT=BT, BX=BK, BY=BV, CARRY=True, HAS_G=HAS_G, HAS_R=HAS_R,
+        DOT_PREC=prec, UPCAST=_upcast(q.dtype),
     )
     dh0 = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device) if h0 is not None else None
     state_passing_kernel[(NK * NV, B * H)](
@@ -554,11 +588,11 @@ def chunk_bwd(
     dA = torch.empty(NK, B, T, H, dtype=torch.float32, device=q.device) if HAS_G else None
     chunk_bwd_dv_kernel[(NV, N, B * H)](
         q, k, do, dhs, g, resets, dv, T, H, K, V, N,
-        BT=BT, BK=BK, BV=BV, HAS_G=HAS_G, HAS_R=HAS_R, DOT_PREC=prec,
+        BT=BT, BK=BK, BV=BV, HAS_G=HAS_G, HAS_R=HAS_R, DOT_PREC=prec, UPCAST=_upcast(q.dtype),
     )
     chunk_bwd_dqk_kernel[(NK, N, B * H)](
         q, k, v, do, hs, dhs, g, resets, dq, dk, dA, T, H, K, V, N,
-        BT=BT, BK=BK, BV=BV, HAS_G=HAS_G, HAS_R=HAS_R, DOT_PREC=prec,
+        BT=BT, BK=BK, BV=BV, HAS_G=HAS_G, HAS_R=HAS_R, DOT_PREC=prec, UPCAST=_upcast(q.dtype),
     )
     dg = None
     if HAS_G:

@@ -48,7 +48,9 @@ def triton_unavailable_reason(
     if device.type == "cuda":
         return None
     if os.environ.get("TRITON_INTERPRET") == "1":
-        return None
+        from hla_sp.kernels._jit import interpreter_mismatch
+
+        return interpreter_mismatch()
     return f"tensors are on {device.type} and TRITON_INTERPRET=1 is not set"
 
 
