@@ -158,6 +158,12 @@ def shared_stage(
     vi = _interleave(v, G, repeat=False)
     gi = None if g is None else _interleave(g, G, repeat=False)
     cu = None if cu_seqlens is None else cu_seqlens * G
+    if sp is not None:
+        # The interleaved shard is a call of its own (local T * G, offsets * G): every
+        # rank checks and plans it, as a public operator does before its stages.
+        xi = validate.check_inputs(qi, ki, vi, log_decay=gi, scale=1.0, cu_seqlens=cu, sp=sp,
+                                   chunk_size=chunk_size)
+        sp.check_call(xi, op=f"gqa-shared-stage/{G}", options=())
     o, final = primitive(qi, ki, vi, gi, cu_seqlens=cu, h0=h0, want_final=want_final,
                          chunk_size=chunk_size, sp=sp)
     V = v.shape[-1]
@@ -252,8 +258,7 @@ def grouped_operator(
     from hla_sp.ops.compositions import _unpack_state
 
     s0 = _unpack_state(initial_state, fields, q)
-    if sp is not None:
-        sp.check_call(x, op=f"{operator}-gqa", options=(normalize, ridge, eps, Hq))
+    x_check = x  # the kv-view call, re-checked before each per-query-head stage under sp
     G = Hq // Hkv
     cdt = compute_dtype(q.dtype)
     qs, kk, vv = (q * x.scale).to(cdt), k.to(cdt), v.to(cdt)
@@ -263,6 +268,9 @@ def grouped_operator(
                   chunk_size=x.chunk_size, sp=sp)
 
     def per_head(kq: torch.Tensor, vq: torch.Tensor, h0: torch.Tensor | None):
+        if sp is not None:
+            # shared_stage planned the interleaved shape; plan this one again.
+            sp.check_call(x_check, op=f"{operator}/gqa{G}", options=(normalize, ridge, eps))
         return primitive(qs, kq, vq, gq, h0=h0, **common)
 
     if operator == "linear":
@@ -425,15 +433,18 @@ class HLAHeads(nn.Module):
             self.norm_weight.fill_(1.0)
 
     def log_decay(self, k: torch.Tensor) -> torch.Tensor | None:
-        """The log-decay for keys k [B, T, Hkv, K]: None, [Hkv] or [B, T, Hkv] (fp32, <= 0)."""
+        """The log-decay for keys k [B, T, Hkv, K]: None, [Hkv] or [B, T, Hkv] (<= 0).
+
+        In the compute dtype (fp32, fp64 for fp64 keys)."""
         if self.decay == "none":
             return None
         if self.decay == "fixed":
-            return self._schedule(k.device)
+            return self._schedule(k.device).to(compute_dtype(k.dtype))
+        cdt = compute_dtype(k.dtype)
         if self.decay == "learned":
-            return F.logsigmoid(self.decay_bias.float())
-        z = torch.einsum("bthk,hk->bth", k.float(), self.decay_weight.float())
-        return F.logsigmoid(z + self.decay_bias.float()) / DATA_DECAY_TEMPERATURE
+            return F.logsigmoid(self.decay_bias.to(cdt))
+        z = torch.einsum("bthk,hk->bth", k.to(cdt), self.decay_weight.to(cdt))
+        return F.logsigmoid(z + self.decay_bias.to(cdt)) / DATA_DECAY_TEMPERATURE
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
@@ -483,10 +494,11 @@ class HLAHeads(nn.Module):
                 raise ValueError(f"{name}: expected [B, T, {self.num_kv_heads}, "
                                  f"{self.head_dim}], got {tuple(x.shape)}")
         log_decay = self.log_decay(k)
+        cdt = compute_dtype(q.dtype)  # fp32, or fp64 for fp64 inputs
         if self.qk_norm:
             # L2 per head: |q.k| <= 1, so no power of t in S, H can come from key size.
-            q = F.normalize(q.float(), dim=-1).to(q.dtype)
-            k = F.normalize(k.float(), dim=-1).to(k.dtype)
+            q = F.normalize(q.to(cdt), dim=-1).to(q.dtype)
+            k = F.normalize(k.to(cdt), dim=-1).to(k.dtype)
         o, state = grouped_operator(
             self.operator, q, k, v, log_decay=log_decay, normalize=self.normalize,
             eps=self.eps, ridge=self.ridge, scale=self.scale, initial_state=initial_state,
@@ -496,9 +508,9 @@ class HLAHeads(nn.Module):
         if self.output_norm:
             # Per-head RMSNorm in fp32: HLA outputs grow with context (a power of t
             # without decay); the norm removes the scale, the gain learns it back.
-            of = o.float()
+            of = o.to(cdt)
             of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.norm_eps)
-            o = (of * self.norm_weight.float()).to(o.dtype)
+            o = (of * self.norm_weight.to(cdt)).to(o.dtype)
         return o, state
 
 

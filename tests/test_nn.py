@@ -1,0 +1,247 @@
+"""hla_sp.nn: the GQA-shared operators, the layer, decay, norms and streaming decode."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hla_sp import HLA2State, hla2
+from hla_sp.nn import (
+    DECAYS,
+    OPERATORS,
+    HLAHeads,
+    HLAttention,
+    LinearState,
+    grouped_operator,
+    retnet_log_decay,
+)
+
+F64 = torch.float64
+
+
+def _inputs(B=2, T=37, Hq=6, Hkv=2, K=5, V=4, seed=0, dtype=F64):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, Hq, K, generator=g, dtype=dtype)
+    k = torch.randn(B, T, Hkv, K, generator=g, dtype=dtype)
+    v = torch.randn(B, T, Hkv, V, generator=g, dtype=dtype)
+    a = -torch.rand(B, T, Hkv, generator=g, dtype=dtype) * 0.2
+    return q, k, v, a
+
+
+def _options(op):
+    return dict(normalize=True, ridge=0.3) if op == "hla2" else {}
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["batch", "varlen"])
+@pytest.mark.parametrize("op", OPERATORS)
+def test_gqa_shared_state_equals_per_head(op, packed):
+    """S (and C, h) computed once per group equals the per-head computation on
+    repeated k, v: outputs, every input gradient, and the final state."""
+    q, k, v, a = _inputs(B=1 if packed else 2)
+    cu = torch.tensor([0, 11, 12, 37]) if packed else None
+    G = q.shape[2] // k.shape[2]
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, a)]
+    o, st = grouped_operator(op, *leaves[:3], log_decay=leaves[3], output_final_state=True,
+                             cu_seqlens=cu, chunk_size=8, **_options(op))
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, a)]
+    rq, rk, rv, ra = ref_leaves
+    o_ref, st_ref = grouped_operator(
+        op, rq, rk.repeat_interleave(G, 2), rv.repeat_interleave(G, 2),
+        log_decay=ra.repeat_interleave(G, -1), output_final_state=True, cu_seqlens=cu,
+        chunk_size=8, **_options(op))
+    torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
+    w = torch.randn_like(o)
+    (o * w).sum().backward()
+    (o_ref * w).sum().backward()
+    for name, x, y in zip("qkva", leaves, ref_leaves):
+        torch.testing.assert_close(x.grad, y.grad, rtol=1e-9, atol=1e-9, msg=name)
+    for field, s, r in zip(st._fields, st, st_ref):
+        if s is None:
+            assert r is None
+            continue
+        if s.shape[1] != r.shape[1]:  # shared field: one state per group
+            assert s.shape[1] == k.shape[2], field
+            r = r[:, ::G]
+        torch.testing.assert_close(s, r, rtol=1e-10, atol=1e-10, msg=field)
+
+
+def test_gqa_state_is_per_group():
+    heads = HLAHeads(8, 2, 4, operator="hla3")
+    st = heads.init_state(3)
+    assert st.S.shape == (3, 2, 4, 4) and st.C.shape == (3, 2, 4, 4) and st.H.shape == (3, 8, 4, 4)
+    assert isinstance(HLAHeads(4, 1, 4, operator="linear").init_state(1), LinearState)
+
+
+def test_mha_path_is_the_public_operator():
+    q, k, v, a = _inputs(Hq=2, Hkv=2)
+    o, st = grouped_operator("hla2", q, k, v, log_decay=a, output_final_state=True, normalize=True)
+    o2, st2 = hla2(q, k, v, log_decay=a, output_final_state=True, normalize=True)
+    torch.testing.assert_close(o, o2, rtol=0, atol=0)
+    assert isinstance(st, HLA2State)
+    for a_, b_ in zip(st, st2):
+        torch.testing.assert_close(a_, b_, rtol=0, atol=0)
+
+
+def _layer(op, decay, Hq=4, Hkv=2, seed=0, **kw):
+    torch.manual_seed(seed)
+    m = HLAttention(24, Hq, 6, Hkv, operator=op, decay=decay, chunk_size=8, **kw).double()
+    if m.heads.decay_weight is not None:  # zero at init; make the gate really per token
+        torch.nn.init.normal_(m.heads.decay_weight, std=1.0)
+    return m
+
+
+@pytest.mark.parametrize("decay", DECAYS)
+@pytest.mark.parametrize("op", OPERATORS)
+def test_decode_equals_parallel_forward(op, decay):
+    """step() token by token reproduces forward(); prefill + decode does too."""
+    m = _layer(op, decay, normalize=op == "hla2")
+    x = torch.randn(2, 19, 24, dtype=F64)
+    y, _ = m(x)
+    state = m.init_state(2)
+    steps = []
+    for t in range(x.shape[1]):
+        y_t, state = m.step(x[:, t], state)
+        steps.append(y_t)
+    torch.testing.assert_close(torch.stack(steps, 1), y, rtol=1e-10, atol=1e-10)
+    # Prefill 11 tokens in parallel, decode the rest.
+    y_pre, state = m(x[:, :11], output_final_state=True)
+    rest = []
+    for t in range(11, x.shape[1]):
+        y_t, state = m.step(x[:, t : t + 1], state)
+        rest.append(y_t)
+    torch.testing.assert_close(torch.cat([y_pre, *rest], 1), y, rtol=1e-10, atol=1e-10)
+
+
+def test_decode_needs_the_state():
+    m = _layer("hla2", "learned")
+    x = torch.randn(2, 9, 24, dtype=F64)
+    y, _ = m(x)
+    y_cold, _ = m(x[:, 5:])  # without the carried state the outputs differ
+    assert (y_cold - y[:, 5:]).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="state"):
+        m.step(x[:, 0], None)
+    with pytest.raises(ValueError, match="x_t"):
+        m.step(x[:, :2], m.init_state(2))
+
+
+def test_decode_cost_does_not_grow_with_context():
+    """The state has a fixed size: after 5 or 50 tokens it holds the same shapes."""
+    m = _layer("hla3", "fixed")
+    x = torch.randn(1, 50, 24, dtype=F64)
+    _, s5 = m(x[:, :5], output_final_state=True)
+    _, s50 = m(x, output_final_state=True)
+    assert [t.shape for t in s5] == [t.shape for t in s50]
+
+
+def test_decay_is_nonpositive_by_construction():
+    heads = HLAHeads(4, 2, 8, decay="data")
+    with torch.no_grad():
+        heads.decay_bias.fill_(50.0)  # logsigmoid saturates at 0, never above
+        heads.decay_weight.normal_(std=30.0)
+    k = torch.randn(3, 10, 2, 8) * 10
+    a = heads.log_decay(k)
+    assert a.shape == (3, 10, 2) and (a <= 0).all() and torch.isfinite(a).all()
+    learned = HLAHeads(4, 2, 8, decay="learned")
+    torch.testing.assert_close(learned.log_decay(k), retnet_log_decay(2))
+    fixed = HLAHeads(4, 4, 8, decay="fixed", head_offset=2, total_kv_heads=8)
+    torch.testing.assert_close(fixed.log_decay(k), retnet_log_decay(8)[2:6])
+    assert HLAHeads(4, 2, 8, decay="none").log_decay(k) is None
+
+
+def test_retnet_schedule():
+    a = retnet_log_decay(8).double()
+    gamma = torch.exp(a)
+    torch.testing.assert_close(1 - gamma, torch.exp2(-torch.linspace(5, 12, 8, dtype=F64)),
+                               rtol=1e-6, atol=0)
+    assert (a < 0).all()
+
+
+def test_output_norm_and_qk_norm():
+    m = _layer("hla2", "none")
+    x = torch.randn(1, 16, 24, dtype=F64)
+    h = m.heads
+    q = m.q_proj(x).view(1, 16, 4, 6)
+    k = m.k_proj(x).view(1, 16, 2, 6)
+    v = m.v_proj(x).view(1, 16, 2, 6)
+    o, _ = h(q, k, v)
+    raw_heads = HLAHeads(4, 2, 6, operator="hla2", decay="none", output_norm=False)
+    raw, _ = raw_heads(q, k, v)
+    with torch.no_grad():
+        h.norm_weight.uniform_(0.5, 2.0)
+    o, _ = h(q, k, v)
+    want = raw * torch.rsqrt(raw.pow(2).mean(-1, keepdim=True) + h.norm_eps) * h.norm_weight
+    torch.testing.assert_close(o, want, rtol=1e-9, atol=1e-12)
+    # qk-norm makes the layer blind to the size of q and k.
+    o2, _ = h(q * 7.0, k * 0.1, v)
+    torch.testing.assert_close(o2, o, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        (dict(operator="softmax"), ValueError, "operator"),
+        (dict(decay="exp"), ValueError, "decay"),
+        (dict(num_kv_heads=3), ValueError, "num_kv_heads"),
+        (dict(operator="ahla", normalize=True), ValueError, "normalize"),
+        (dict(operator="hla3", ridge=0.1), ValueError, "ridge"),
+        (dict(ridge=-1.0), ValueError, "ridge"),
+        (dict(chunk_size=48), ValueError, "chunk_size"),
+        (dict(qk_norm=1), TypeError, "qk_norm"),
+    ],
+)
+def test_bad_arguments(kwargs, exc, match):
+    base = dict(hidden_size=16, num_heads=4, head_dim=4, num_kv_heads=2)
+    base.update(kwargs)
+    with pytest.raises(exc, match=match):
+        HLAttention(**base)
+
+
+def test_bad_inputs():
+    m = HLAttention(16, 4, 4, 2)
+    with pytest.raises(ValueError, match="x"):
+        m(torch.randn(2, 5, 15))
+    with pytest.raises(ValueError, match="x"):
+        m(torch.randn(2, 15))
+    with pytest.raises(ValueError, match="k"):
+        m.heads(torch.randn(1, 5, 4, 4), torch.randn(1, 5, 4, 4), torch.randn(1, 5, 2, 4))
+    with pytest.raises(ValueError, match="k"):
+        grouped_operator("hla2", torch.randn(1, 5, 4, 4), torch.randn(1, 5, 3, 4),
+                         torch.randn(1, 5, 3, 4))
+
+
+def test_varlen_documents_are_independent():
+    m = _layer("hla2", "data")
+    x = torch.randn(1, 30, 24, dtype=F64)
+    cu = torch.tensor([0, 7, 30])
+    y, _ = m(x, cu_seqlens=cu)
+    y0, _ = m(x[:, :7])
+    y1, _ = m(x[:, 7:])
+    torch.testing.assert_close(y, torch.cat([y0, y1], 1), rtol=1e-10, atol=1e-10)
+
+
+def test_small_model_learns_without_nan():
+    """Ten Adam steps of a one-layer HLA language model on a fixed batch lower the loss."""
+    torch.manual_seed(0)
+    V, D, T = 32, 32, 256
+    emb = torch.nn.Embedding(V, D)
+    att = HLAttention(D, 4, 8, 2)  # the defaults
+    head = torch.nn.Linear(D, V)
+    params = [*emb.parameters(), *att.parameters(), *head.parameters()]
+    opt = torch.optim.Adam(params, lr=1e-2)
+    # A sequence with long-range structure: token t repeats token t - 64.
+    base = torch.randint(0, V, (2, 64))
+    seq = base.repeat(1, T // 64 + 1)[:, : T + 1]
+    losses = []
+    for _ in range(10):
+        h = emb(seq[:, :-1])
+        y, _ = att(h)
+        logits = head(h + y)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), seq[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        assert math.isfinite(loss.item())
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.3, losses
