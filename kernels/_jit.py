@@ -7,10 +7,12 @@ choice when ``hla_sp.kernels`` is first imported, so a test that sets the variab
 the kernel object is built on first launch, once per mode, and nothing at import time
 touches a GPU driver.
 
-One limit of Triton remains: its standard library (``tl.sum``, ``tl.cumsum``,
-``tl.cdiv``) is jitted when ``triton`` is imported, so the interpreter works only if
-``TRITON_INTERPRET=1`` was set before that import. :func:`interpreter_mismatch`
-detects the other case, and launching then fails with that explanation.
+One more wrinkle: Triton's standard library (``tl.sum``, ``tl.cumsum``, ``tl.cdiv``)
+is jitted when ``triton`` is imported, so after an import without the interpreter
+those helpers are GPU functions that the interpreter refuses to call. Interpreted
+launches then swap interpreter builds of them into ``triton.language`` for the
+duration of the launch (the interpreter patches that module the same way for its
+builtins) and restore them afterwards.
 
 Every launch increments :data:`LAUNCHES` under the kernel's name, so tests can prove
 that the Triton path ran rather than a silent fallback.
@@ -20,7 +22,8 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import triton
@@ -38,14 +41,34 @@ def interpreter_mismatch() -> str | None:
     from triton.runtime.jit import JITFunction
 
     stdlib_compiled = isinstance(triton.language.standard.cdiv, JITFunction)
-    if interpreting() and stdlib_compiled:
-        return (
-            "TRITON_INTERPRET=1 was set after triton was imported; Triton's standard "
-            "library is then built for the GPU. Set it before the first `import triton`"
-        )
     if not interpreting() and not stdlib_compiled:
         return "triton was imported with TRITON_INTERPRET=1, which is no longer set"
     return None
+
+
+_STDLIB_INTERPRETED: dict[int, Any] = {}
+
+
+@contextmanager
+def _interpretable_stdlib() -> Iterator[None]:
+    """Interpreter builds of Triton's jitted standard library, for one launch."""
+    import triton.language.standard as standard
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    swapped = []
+    for mod in (triton.language, standard, triton.language.math):
+        for name, val in list(vars(mod).items()):
+            if isinstance(val, JITFunction):
+                if id(val) not in _STDLIB_INTERPRETED:
+                    _STDLIB_INTERPRETED[id(val)] = InterpretedFunction(val.fn)
+                swapped.append((mod, name, val))
+                setattr(mod, name, _STDLIB_INTERPRETED[id(val)])
+    try:
+        yield
+    finally:
+        for mod, name, val in swapped:
+            setattr(mod, name, val)
 
 
 class LazyKernel:
@@ -70,7 +93,10 @@ class LazyKernel:
 
         def run(*args: Any, **kwargs: Any) -> Any:
             LAUNCHES[self.__name__] += 1
-            return launch(*args, **kwargs)
+            if not interpreting():
+                return launch(*args, **kwargs)
+            with _interpretable_stdlib():
+                return launch(*args, **kwargs)
 
         return run
 

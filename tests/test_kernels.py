@@ -1,10 +1,9 @@
 """The Triton kernels of the primitive against the PyTorch chunk path.
 
 On a machine without CUDA they run under Triton's CPU interpreter: the fixture sets
-``TRITON_INTERPRET=1`` (monkeypatch) and only then imports triton, because Triton
-builds its standard library for the interpreter only when the variable is set at
-import; the kernels themselves are jitted on first launch. With CUDA they run on the
-GPU. The interpreter is slow: shapes are tiny, chunks are 16 long, cases are few.
+``TRITON_INTERPRET=1`` through monkeypatch, and the kernels read it at launch (they
+are jitted lazily, see ``hla_sp.kernels._jit``). With CUDA they run on the GPU.
+The interpreter is slow: shapes are tiny, chunks are 16 long, cases are few.
 
 Tolerance (flash-attention's rule): the Triton result may be off from an fp64
 reference by at most twice the error the PyTorch path itself makes at the same
@@ -238,8 +237,6 @@ def test_small_chunk_and_no_final_grad(interp: SimpleNamespace) -> None:
 
 def test_triton_unavailable_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     """Forcing Triton on CPU without the interpreter, or for fp64, raises; never falls back."""
-    if DEVICE == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")  # before triton's first import
     from hla_sp.kernels import chunk_linear_attention_triton
 
     monkeypatch.setenv("HLA_SP_BACKEND", "triton")

@@ -58,8 +58,11 @@ def chunk_linear_attention_op(
         return o, h
     with torch.no_grad():
         o, h = chunk_linear_attention(q, k, v, g, resets=resets, h0=h0, chunk_size=chunk_size)
-    # Outputs of a custom op may not alias its inputs; clone in the (T = 0) corner case.
-    return o.to(q.dtype), (h.clone() if h0 is not None and h.data_ptr() == h0.data_ptr() else h)
+    # Contiguous, as the fake promises (the chunk path returns a permuted view); outputs
+    # of a custom op may not alias its inputs: clone in the (T = 0) corner case.
+    if h0 is not None and h.data_ptr() == h0.data_ptr():
+        h = h.clone()
+    return o.to(q.dtype).contiguous(), h.contiguous()
 
 
 @chunk_linear_attention_op.register_fake
@@ -88,7 +91,6 @@ def chunk_linear_attention_bwd_op(
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of :func:`chunk_linear_attention_op`; dg, dh0 empty when g, h0 are None."""
-    empty = q.new_empty(0)
     if backend == "triton":
         from hla_sp.kernels.chunk import chunk_bwd, chunk_tile, prepare
 
@@ -99,9 +101,14 @@ def chunk_linear_attention_bwd_op(
         )
     else:
         dq, dk, dv, dg, dh0 = _torch_vjp(q, k, v, g, resets, h0, do, dht, chunk_size)
-    dg = empty if dg is None else dg.to(g.dtype)
-    dh0 = empty if dh0 is None else dh0.to(h0.dtype)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg, dh0
+    # Contiguous, in the inputs' dtypes: exactly what the fake below promises.
+    # (Two distinct empties: outputs of an operator may not alias each other.)
+    dg = q.new_empty(0) if dg is None else dg.to(g.dtype).contiguous()
+    dh0 = q.new_empty(0) if dh0 is None else dh0.to(h0.dtype).contiguous()
+    return (
+        dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous(),
+        dg, dh0,
+    )
 
 
 def _torch_vjp(
@@ -136,9 +143,12 @@ def _(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, resets: Tensor | None,
     h0: Tensor | None, do: Tensor, dht: Tensor | None, chunk_size: int, backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    dg = q.new_empty(0) if g is None else torch.empty_like(g, memory_format=torch.contiguous_format)
-    dh0 = q.new_empty(0) if h0 is None else torch.empty_like(h0)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dg, dh0
+    def like(x: Tensor) -> Tensor:
+        return x.new_empty(x.shape)  # contiguous, whatever x's strides
+
+    dg = q.new_empty(0) if g is None else like(g)
+    dh0 = q.new_empty(0) if h0 is None else like(h0)
+    return like(q), like(k), like(v), dg, dh0
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:

@@ -1,0 +1,146 @@
+"""torch.compile(fullgraph=True) of a small model built on hla2 and linear_attention.
+
+The primitive is a ``torch.library`` custom operator while compiling (see
+:mod:`hla_sp.ops.custom_op`): these tests check that the graph has no break, that the
+operator is in it once per primitive call, that outputs and every gradient equal
+eager mode, and the operator's registration itself (``torch.library.opcheck``).
+Runs on CPU with the torch path; one case runs the Triton path under the interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hla_sp
+from hla_sp.ops.custom_op import chunk_linear_attention_op
+
+H, K, V = 2, 16, 16
+
+
+class Tiny(torch.nn.Module):
+    """Projections, then linear_attention + hla2 with a learned per-head decay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(32, 2 * H * K + H * V)
+        self.log_decay = torch.nn.Parameter(-torch.rand(H))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.proj(x).split([H * K, H * K, H * V], dim=-1)
+        q, k, v = q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V)
+        o1, h1 = hla_sp.linear_attention(
+            q, k, v, log_decay=self.log_decay, output_final_state=True, chunk_size=16
+        )
+        o2, st = hla_sp.hla2(
+            q, k, v, log_decay=self.log_decay, output_final_state=True, chunk_size=16
+        )
+        return (o1 * o2).sum() + h1.square().sum() + st.S.mean() + st.H.mean()
+
+
+def count_op_backend(counter: dict[str, int]) -> object:
+    """aot_eager, after counting the custom operator's nodes in the dynamo graph."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        counter["graphs"] += 1
+        counter["ops"] += sum(
+            1 for n in gm.graph.nodes
+            if n.op == "call_function" and "hla_sp.chunk_linear_attention" in str(n.target)
+        )
+        return aot_eager(gm, example_inputs)
+
+    return backend
+
+
+def grads_of(model: torch.nn.Module, x: torch.Tensor, fn: object) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    loss = fn(x)  # type: ignore[operator]
+    loss.backward()
+    return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_compile_fullgraph(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+    if backend == "triton":
+        if torch.cuda.is_available():
+            pytest.skip("the interpreter case is for CPU machines")
+        pytest.importorskip("triton")  # the test's precondition, not its subject
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("HLA_SP_BACKEND", backend)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Tiny()
+    x = torch.randn(1, 37, 32)
+    eager = grads_of(model, x, model)
+    counter = {"graphs": 0, "ops": 0}
+    compiled = torch.compile(model, fullgraph=True, backend=count_op_backend(counter))
+    if backend == "triton":
+        import hla_sp.kernels as kernels
+
+        before = sum(kernels.LAUNCHES.values())
+    got = grads_of(model, x, compiled)
+    assert counter == {"graphs": 1, "ops": 3}, counter  # 1 + 2 primitive calls, one graph
+    if backend == "triton":
+        assert sum(kernels.LAUNCHES.values()) > before
+    for a, b in zip(got, eager):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_compile_checks_log_decay_in_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The log_decay <= 0 check survives compilation (as an in-graph assert)."""
+    monkeypatch.setenv("HLA_SP_BACKEND", "torch")
+    torch._dynamo.reset()
+
+    def f(q: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        return hla_sp.linear_attention(q, q, q, log_decay=a)[0]
+
+    cf = torch.compile(f, fullgraph=True, backend="aot_eager")
+    q = torch.randn(1, 8, H, K)
+    cf(q, -torch.rand(H))
+    with pytest.raises(RuntimeError, match="log_decay"):
+        cf(q, torch.rand(H) + 0.1)
+
+
+@pytest.mark.parametrize("with_optional", [False, True], ids=["plain", "g-resets-h0"])
+def test_opcheck(monkeypatch: pytest.MonkeyPatch, with_optional: bool) -> None:
+    """Schema, fake implementation and autograd registration of the operator."""
+    torch.manual_seed(1)
+    B, T = 1, 20
+    q = torch.randn(B, T, H, K, requires_grad=True)
+    k = torch.randn(B, T, H, K, requires_grad=True)
+    v = torch.randn(B, T, H, V, requires_grad=True)
+    g = resets = h0 = None
+    if with_optional:
+        g = (-torch.rand(B, T, H)).requires_grad_()
+        resets = torch.zeros(B, T, dtype=torch.bool)
+        resets[0, 9] = True
+        h0 = torch.randn(B, H, K, V, requires_grad=True)
+    torch.library.opcheck(chunk_linear_attention_op, (q, k, v, g, resets, h0, 16, "torch"))
+
+
+def test_op_gradients_match_autograd() -> None:
+    """The operator's registered backward (vjp of the torch path) equals plain autograd."""
+    from hla_sp.ops.chunk import chunk_linear_attention
+
+    torch.manual_seed(2)
+    B, T = 1, 21
+    xs = [
+        torch.randn(B, T, H, K), torch.randn(B, T, H, K), torch.randn(B, T, H, V),
+        -torch.rand(B, T, H), torch.randn(B, H, K, V),
+    ]
+    do, dht = torch.randn(B, T, H, V), torch.randn(B, H, K, V)
+    resets = torch.zeros(B, T, dtype=torch.bool)
+    resets[0, 5] = True
+
+    def grads(fn: object) -> list[torch.Tensor]:
+        leaves = [x.clone().requires_grad_() for x in xs]
+        o, h = fn(*leaves[:4], resets=resets, h0=leaves[4], chunk_size=16)  # type: ignore[operator]
+        ((o * do).sum() + (h * dht).sum()).backward()
+        return [o.detach(), h.detach()] + [x.grad for x in leaves]
+
+    from hla_sp.ops.custom_op import make_chunk_impl
+
+    for a, b in zip(grads(make_chunk_impl("torch")), grads(chunk_linear_attention)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
