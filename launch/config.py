@@ -197,11 +197,8 @@ def _base_type(tp: Any) -> tuple[type, bool]:
 
 def add_hla_flags(parser: argparse.ArgumentParser) -> None:
     """Add ``--attention`` and the ``--hla-*`` flags from the Megatron drop-in."""
-    try:
-        from hla_sp.megatron_patch import add_hla_args
-    except ImportError:  # TEMPORARY until issue 5 lands: softmax only
-        parser.add_argument("--attention", default="softmax", choices=["softmax"])
-        return
+    from hla_sp.megatron_patch import add_hla_args
+
     add_hla_args(parser)
     # The trainer exists to train HLA; Megatron's own entry point keeps softmax as default.
     parser.set_defaults(attention="hla2")
@@ -249,6 +246,12 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 def world_size_from_env() -> int:
     """The world size torchrun (or Ray, or SLURM via torchrun) announces, 1 if none."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _divisors(n: int) -> list[int]:
@@ -312,6 +315,17 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
                 f"--max-position-embeddings {mpe} < --seq-length {cfg.seq_length}; raise it, "
                 f"or use --position-embedding-type none."
             )
+    from hla_sp.megatron_patch import check_hla_args
+
+    try:
+        check_hla_args(argparse.Namespace(**cfg.hla))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.attention == "softmax" and not _cuda_available():
+        raise ConfigError(
+            "--attention softmax runs megatron-core's DotProductAttention, which needs CUDA; "
+            "on CPU use --attention hla2 (or ahla, hla3)."
+        )
     if cfg.train_iters < 1:
         raise ConfigError(f"--train-iters must be >= 1, got {cfg.train_iters}")
     decay = cfg.lr_decay_iters or cfg.train_iters

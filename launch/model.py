@@ -9,6 +9,7 @@ Choices forced by CPU runs, harmless on GPU:
 
 from __future__ import annotations
 
+import argparse
 import functools
 from typing import Any
 
@@ -25,13 +26,13 @@ def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
 
 def layer_spec(cfg: TrainConfig) -> Any:
     """The transformer layer spec: HLA core attention from ``hla_sp.megatron_patch``."""
-    if cfg.attention == "softmax":
-        from hla_sp.launch._standin import softmax_cpu_spec  # TEMPORARY until issue 5 lands
+    if cfg.attention == "softmax":  # Megatron untouched (DotProductAttention needs CUDA)
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        return softmax_cpu_spec()
-    from hla_sp.megatron_patch import get_hla_layer_local_spec
+        return get_gpt_layer_local_spec()
+    from hla_sp.megatron_patch import get_hla_layer_local_spec, hla_spec_kwargs
 
-    return get_hla_layer_local_spec(**cfg.hla)
+    return get_hla_layer_local_spec(**hla_spec_kwargs(argparse.Namespace(**cfg.hla)))
 
 
 def transformer_config(cfg: TrainConfig) -> Any:
@@ -103,5 +104,5 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
     if cfg.attention != "softmax":
         from hla_sp.megatron_patch import assert_hla_model
 
-        assert_hla_model(model)
+        assert_hla_model(model, cfg.attention)
     return model

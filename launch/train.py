@@ -241,7 +241,7 @@ class Trainer:
                 rec = self.step()
                 records.append(rec)
                 if heartbeat is not None:
-                    heartbeat.iteration = self.iteration
+                    heartbeat.progress(self.iteration)
                 log.write(rec)
                 if on_record is not None:
                     on_record(rec)
@@ -293,6 +293,7 @@ def run(
         cfg.tensor_model_parallel_size, cfg.context_parallel_size, cfg.distributed_timeout_minutes
     )
     heartbeat = faults.Heartbeat(topo.rank)
+    faults.install_sigterm_handler()
     try:
         trainer = Trainer(cfg, topo)
         if topo.is_first:
@@ -312,7 +313,7 @@ def run(
     except Exception as err:
         heartbeat.stop()
         traceback.print_exc()
-        metrics.say(faults.report_failure(topo.rank, topo.world_size, err), sys.stderr)
+        faults.report_failure(topo.rank, topo.world_size, err)
         if not exit_on_error:
             raise
         # a broken group can hang in destroy or atexit; leave now, non-zero

@@ -1,0 +1,104 @@
+"""``hla-sp``: the console script.
+
+    hla-sp train [--nproc-per-node N] [--nnodes N --rdzv-endpoint HOST:PORT ...] TRAINER FLAGS
+    hla-sp sweep CONFIG [--output-dir DIR]
+    hla-sp make-dataset --input FILES --output-prefix PREFIX
+
+``train`` checks the trainer flags against the world it is about to start
+(nproc-per-node x nnodes), then replaces itself with torchrun running
+``-m hla_sp.launch.train``. Everything it does not know goes to the trainer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from hla_sp.launch.config import ConfigError, parse_args, validate
+
+
+def torchrun_command(launch: argparse.Namespace, trainer_argv: list[str]) -> list[str]:
+    """The torchrun command line ``hla-sp train`` runs."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(launch.nproc_per_node),
+    ]
+    if launch.nnodes == "1" and not launch.rdzv_endpoint:
+        cmd.append("--standalone")  # a private rendezvous on a free port
+    else:
+        if not launch.rdzv_endpoint:
+            raise ConfigError(
+                "--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)"
+            )
+        cmd += [
+            "--nnodes", launch.nnodes,
+            "--rdzv-backend", launch.rdzv_backend,
+            "--rdzv-endpoint", launch.rdzv_endpoint,
+            "--rdzv-id", launch.rdzv_id,
+        ]  # fmt: skip
+        if launch.node_rank is not None:
+            cmd += ["--node-rank", str(launch.node_rank)]
+    cmd += ["--max-restarts", str(launch.max_restarts), "-m", "hla_sp.launch.train", *trainer_argv]
+    return cmd
+
+
+def _train(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(
+        prog="hla-sp train",
+        description="Start torchrun running hla_sp.launch.train; other flags go to the trainer "
+        "(see `python -m hla_sp.launch.train --help`).",
+        allow_abbrev=False,
+    )
+    ap.add_argument("--nproc-per-node", type=int, default=1, help="Processes on this node.")
+    ap.add_argument("--nnodes", default="1", help="Nodes (or MIN:MAX), as torchrun takes it.")
+    ap.add_argument("--node-rank", type=int, default=None, help="This node's rank (optional).")
+    ap.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the rendezvous (multi-node).")
+    ap.add_argument("--rdzv-backend", default="c10d", help="torchrun rendezvous backend.")
+    ap.add_argument("--rdzv-id", default="hla-sp", help="Job id shared by all nodes.")
+    ap.add_argument("--max-restarts", type=int, default=0, help="torchrun worker-group restarts.")
+    ap.add_argument("--dry-run", action="store_true", help="Print the torchrun command only.")
+    launch, rest = ap.parse_known_args(argv)
+    if rest[:1] == ["--"]:
+        rest = rest[1:]
+    try:
+        nnodes = int(launch.nnodes.split(":")[-1])
+        validate(parse_args(rest), launch.nproc_per_node * nnodes)
+        cmd = torchrun_command(launch, rest)
+    except ConfigError as e:
+        print(f"hla-sp train: error: {e}", file=sys.stderr)
+        return 2
+    if launch.dry_run:
+        print(" ".join(cmd))
+        return 0
+    sys.stdout.flush()
+    os.execv(cmd[0], cmd)
+    return 0  # not reached
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    usage = "usage: hla-sp {train,sweep,make-dataset} ... (hla-sp COMMAND --help for each)"
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage + "\n\n" + (__doc__ or ""))
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "train":
+        return _train(rest)
+    if cmd == "sweep":
+        from hla_sp.launch.ray_sweep import main as sweep_main
+
+        return sweep_main(rest)
+    if cmd == "make-dataset":
+        from hla_sp.launch.make_dataset import main as make_main
+
+        return make_main(rest)
+    print(f"hla-sp: unknown command {cmd!r}\n{usage}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Run the trainer under torchrun on this machine and read back its JSONL (tests, benchmarks).
+
+:func:`run_local` is one torchrun "node"; :func:`run_nodes` starts several torchrun
+processes that meet at a c10d rendezvous on 127.0.0.1 (a free port), which is how the
+multi-node path is exercised without a cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from hla_sp.launch.distributed import free_port
+
+
+@dataclass
+class LocalRun:
+    """What a finished launch left behind."""
+
+    returncode: int
+    output: str  # stdout and stderr, interleaved
+    seconds: float
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def losses(self) -> list[float]:
+        return [r["loss"] for r in self.records]
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _env(extra: dict[str, str] | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def torchrun_argv(nproc: int, flags: list[str], rdzv: list[str] | None = None) -> list[str]:
+    base = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    # --monitor-interval: notice a dead worker quickly (the default polls every 0.1-5 s)
+    base += rdzv if rdzv is not None else ["--standalone"]
+    return [*base, "--max-restarts", "0", "--monitor-interval", "0.2", "-m",
+            "hla_sp.launch.train", *flags]  # fmt: skip
+
+
+def run_local(
+    flags: list[str],
+    nproc: int,
+    jsonl: str,
+    *,
+    timeout: float = 600,
+    env: dict[str, str] | None = None,
+) -> LocalRun:
+    """``torchrun --standalone --nproc-per-node NPROC -m hla_sp.launch.train FLAGS``."""
+    if os.path.exists(jsonl):
+        os.remove(jsonl)
+    t0 = time.perf_counter()
+    p = subprocess.run(
+        torchrun_argv(nproc, [*flags, "--log-jsonl", jsonl]),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+        env=_env(env),
+    )
+    return LocalRun(p.returncode, p.stdout, time.perf_counter() - t0, read_jsonl(jsonl))
+
+
+def run_nodes(
+    flags: list[str],
+    nnodes: int,
+    nproc_per_node: int,
+    jsonl: str,
+    *,
+    timeout: float = 600,
+    env: dict[str, str] | None = None,
+) -> list[LocalRun]:
+    """NNODES torchrun processes meeting at a c10d rendezvous on 127.0.0.1:<free port>.
+
+    Every node gets the same flags; rank 0 (on whichever node the rendezvous puts it)
+    writes the JSONL, which is attached to the first returned run.
+    """
+    if os.path.exists(jsonl):
+        os.remove(jsonl)
+    endpoint = f"127.0.0.1:{free_port()}"
+    rdzv = ["--nnodes", str(nnodes), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", endpoint, "--rdzv-id", uuid.uuid4().hex[:12]]  # fmt: skip
+    t0 = time.perf_counter()
+    procs = [
+        subprocess.Popen(
+            torchrun_argv(nproc_per_node, [*flags, "--log-jsonl", jsonl], rdzv),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=_env(env),
+        )
+        for _ in range(nnodes)
+    ]
+    runs = []
+    try:
+        for p in procs:
+            left = max(1.0, timeout - (time.perf_counter() - t0))
+            out, _ = p.communicate(timeout=left)
+            runs.append(LocalRun(p.returncode, out, time.perf_counter() - t0))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    runs[0].records = read_jsonl(jsonl)
+    return runs
