@@ -11,12 +11,16 @@ from .chunk import (
     chunk_fwd,
     chunk_linear_attention_triton,
 )
+from .hla2_fused import FusedHLA2Function, fused_hla2_chunk, hla2_fused
 
 __all__ = [
     "LAUNCHES",
     "ChunkLinearAttentionFunction",
+    "FusedHLA2Function",
     "chunk_bwd",
     "chunk_fwd",
     "chunk_linear_attention_triton",
+    "fused_hla2_chunk",
+    "hla2_fused",
     "interpreting",
 ]
