@@ -460,8 +460,12 @@ def _upcast(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and interpreting()
 
 
-def _block(d: int, cap: int = 64) -> int:
-    """A power-of-two tile covering d (at least 16 for tl.dot), at most ``cap``."""
+BLOCK_CAP = 64  # largest K or V tile; tests lower it to 16 to exercise several blocks
+
+
+def _block(d: int, cap: int | None = None) -> int:
+    """A power-of-two tile covering d (at least 16 for tl.dot), at most the cap."""
+    cap = BLOCK_CAP if cap is None else min(cap, BLOCK_CAP)
     return min(max(16, triton.next_power_of_2(d)), cap)
 
 
@@ -472,6 +476,30 @@ def chunk_tile(chunk_size: int) -> int:
     clamp it to [16, 64]: tl.dot needs 16, larger tiles only cost registers.
     """
     return min(max(chunk_size, MIN_CHUNK), MAX_CHUNK)
+
+
+def state_passing(
+    hs: torch.Tensor,
+    g: torch.Tensor | None,
+    resets: torch.Tensor | None,
+    h_init: torch.Tensor | None,
+    h_last: torch.Tensor | None,
+    T: int,
+    BT: int,
+    reverse: bool,
+) -> None:
+    """Launch :func:`state_passing_kernel` on hs [B, H, N, DX, DY] (in place).
+
+    No dot here, so the state is cut into 32 x 32 blocks: a sequential loop over the
+    chunks is latency bound, and more programs per head hide more of it.
+    """
+    B, H, N, DX, DY = hs.shape
+    BX, BY = _block(DX, 32), _block(DY, 32)
+    state_passing_kernel[(triton.cdiv(DX, BX) * triton.cdiv(DY, BY), B * H)](
+        hs, g, resets, h_init, h_last, T, H, DX, DY, N,
+        BT=BT, BX=BX, BY=BY, REVERSE=reverse, HAS_G=g is not None, HAS_R=resets is not None,
+        HAS_INIT=h_init is not None, STORE_LAST=h_last is not None,
+    )
 
 
 def chunk_states(
@@ -504,11 +532,7 @@ def chunk_states(
         DOT_PREC=_dot_precision(k.dtype), UPCAST=_upcast(k.dtype),
     )
     h_last = torch.empty(B, H, K, V, dtype=torch.float32, device=k.device) if store_last else None
-    state_passing_kernel[(NK * NV, B * H)](
-        hs, g, resets, h0, h_last, T, H, K, V, N,
-        BT=BT, BX=BK, BY=BV, REVERSE=False, HAS_G=g is not None, HAS_R=resets is not None,
-        HAS_INIT=h0 is not None, STORE_LAST=store_last,
-    )
+    state_passing(hs, g, resets, h0, h_last, T, BT, reverse=False)
     return hs, h_last
 
 
@@ -578,11 +602,7 @@ def chunk_bwd(
         DOT_PREC=prec, UPCAST=_upcast(q.dtype),
     )
     dh0 = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device) if h0 is not None else None
-    state_passing_kernel[(NK * NV, B * H)](
-        dhs, g, resets, dht, dh0, T, H, K, V, N,
-        BT=BT, BX=BK, BY=BV, REVERSE=True, HAS_G=HAS_G, HAS_R=HAS_R,
-        HAS_INIT=dht is not None, STORE_LAST=h0 is not None,
-    )
+    state_passing(dhs, g, resets, dht, dh0, T, BT, reverse=True)
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dv = torch.empty_like(v)
     dA = torch.empty(NK, B, T, H, dtype=torch.float32, device=q.device) if HAS_G else None

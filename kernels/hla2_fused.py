@@ -165,6 +165,8 @@ def fused_hla2_fwd(
         BT=BT, BK=BK, BV=BV, HAS_G=g is not None, HAS_R=resets is not None,
         HAS_S0=S0 is not None, HAS_H0=H0 is not None,
         DOT_PREC=_dot_precision(q.dtype), UPCAST=_upcast(q.dtype),
+        # a program holds S (K x K) and H (K x BV) in fp32: more warps, fewer spills
+        num_warps=8 if BK > 64 else 4,
     )
     return o, S_T, H_T
 

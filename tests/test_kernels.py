@@ -61,10 +61,11 @@ def assert_close(name: str, got: torch.Tensor, same_prec: torch.Tensor, ref: tor
 
 
 def make_inputs(
-    B: int, T: int, decay: str, *, seed: int = 0
+    B: int, T: int, decay: str | None, *, seed: int = 0, dims: tuple[int, int] = (K, V)
 ) -> dict[str, torch.Tensor | None]:
     """fp64 inputs: q already scaled, log-decay per head ([H] broadcast) or per token."""
     gen = torch.Generator().manual_seed(seed)
+    K, V = dims
 
     def rnd(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, dtype=torch.float64)
@@ -138,6 +139,31 @@ def test_chunk_resets(interp: SimpleNamespace) -> None:
     assert launches() > before
     for name in ref:
         assert_close(name, tri[name], torch32[name], ref[name])
+
+
+def test_several_blocks(interp: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """16-wide tiles with K = 24, V = 40: several K and V blocks, the last ones partial
+    (the GPU shape K = V = 128 runs 2 x 2 blocks of 64), with resets and h0."""
+    import hla_sp.kernels.chunk as kchunk
+
+    monkeypatch.setattr(kchunk, "BLOCK_CAP", 16)
+    B, T = 1, 40
+    x = make_inputs(B, T, "token", seed=8, dims=(24, 40))
+    resets = torch.zeros(B, T, dtype=torch.bool, device=DEVICE)
+    resets[0, [16, 23]] = True
+    ref = run(chunk_linear_attention, x, torch.float64, use_h0=True, resets=resets)
+    torch32 = run(chunk_linear_attention, x, torch.float32, use_h0=True, resets=resets)
+    before = dict(launch_counts())
+    tri = run(interp.fn, x, torch.float32, use_h0=True, resets=resets)
+    assert launch_counts()["chunk_bwd_dqk_kernel"] > before.get("chunk_bwd_dqk_kernel", 0)
+    for name in ref:
+        assert_close(name, tri[name], torch32[name], ref[name])
+
+
+def launch_counts() -> dict[str, int]:
+    from hla_sp.kernels import LAUNCHES
+
+    return dict(LAUNCHES)
 
 
 @pytest.mark.parametrize(

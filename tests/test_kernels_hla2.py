@@ -44,8 +44,11 @@ def assert_close(name: str, got: torch.Tensor, same_prec: torch.Tensor, ref: tor
     assert err <= 2 * base + floor, msg
 
 
-def inputs(T: int, decay: str, seed: int) -> dict[str, torch.Tensor]:
+def inputs(
+    T: int, decay: str, seed: int, dims: tuple[int, int] = (K, V)
+) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
+    K, V = dims
 
     def rnd(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, dtype=torch.float64).to(DEVICE)
@@ -82,14 +85,21 @@ def run(fn: object, x: dict, dtype: torch.dtype, **kw: object) -> dict[str, torc
 
 
 @pytest.mark.parametrize(
-    ("T", "decay", "opts"),
+    ("T", "decay", "opts", "dims"),
     [
-        pytest.param(33, "token", {}, id="T33-token-states"),
-        pytest.param(17, "head", {"ridge": 0.3, "normalize": True}, id="T17-head-ridge-norm"),
+        pytest.param(33, "token", {}, (K, V), id="T33-token-states"),
+        pytest.param(17, "head", {"ridge": 0.3, "normalize": True}, (K, V),
+                     id="T17-head-ridge-norm"),
+        # K = 24 pads the on-chip K x K state to 32; V = 40 in three 16-wide blocks
+        pytest.param(20, "token", {}, (24, 40), id="T20-K24-V40-blocks"),
     ],
 )
-def test_fused_hla2_fp32(kernels: ModuleType, T: int, decay: str, opts: dict) -> None:
-    x = inputs(T, decay, seed=T)
+def test_fused_hla2_fp32(
+    kernels: ModuleType, monkeypatch: pytest.MonkeyPatch, T: int, decay: str, opts: dict,
+    dims: tuple[int, int],
+) -> None:
+    monkeypatch.setattr(kernels.chunk, "BLOCK_CAP", 16 if dims != (K, V) else 64)
+    x = inputs(T, decay, seed=T, dims=dims)
     ref = run(hla_sp.hla2, x, torch.float64, **opts)
     torch32 = run(hla_sp.hla2, x, torch.float32, **opts)
     before = kernels.LAUNCHES["fused_hla2_fwd_kernel"]
