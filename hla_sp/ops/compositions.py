@@ -12,6 +12,7 @@ that bf16 inputs are rounded once, at the output.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -95,6 +96,136 @@ def _check_nonneg(name: str, x: object) -> float:
     return float(x)
 
 
+# A stage: (q [B, T, Hq, K], keys, values, h0) -> (out, final state or None). The log-decay,
+# documents, chunk size and sequence parallelism are bound in by the caller.
+Stage = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"],
+    "tuple[torch.Tensor, torch.Tensor | None]",
+]
+
+
+def compose(
+    operator: str,
+    qs: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    state0: list[torch.Tensor | None],
+    *,
+    shared: Stage,
+    per_head: Stage,
+    expand: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
+    normalize: bool = False,
+    ridge: float = 0.0,
+    eps: float = DEFAULT_EPS,
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """The stages of ``operator`` ("hla2" | "ahla" | "hla3"), written once.
+
+    ``shared`` runs a stage whose keys and values are ``k``/``v`` (their heads own the
+    state: S, C); ``per_head`` one whose keys or values are per query head (H, eta).
+    With grouped keys (GQA) ``expand`` maps a kv-head tensor to the query heads;
+    without, all three are the plain primitive and the identity.
+
+    Args:
+        qs: scaled queries [B, T, Hq, K]; k: [B, T, Hkv, K]; v: [B, T, Hkv, V] (compute
+            dtype). state0: the initial state's fields in the order of the state tuple.
+
+    Returns:
+        (o [B, T, Hq, V] in the compute dtype, the final state's fields).
+    """
+    if operator == "hla2":
+        S0, H0, eta0 = state0
+        k_tilde, S = shared(qs, k, k, S0)  # k~_t = S_t q_t
+        if ridge:
+            k_tilde = k_tilde + ridge * qs
+        vq = expand(v)
+        V = vq.shape[-1]
+        if normalize:
+            # den is the same primitive with a ones column appended to v.
+            vq = torch.cat([vq, torch.ones_like(vq[..., :1])], dim=-1)
+            if H0 is not None:
+                H0 = torch.cat([H0, eta0[..., None]], dim=-1)
+        o, Hf = per_head(qs, k_tilde, vq, H0)
+        eta = None
+        if normalize:
+            o = o[..., :V] / (o[..., V:] + eps)
+            if Hf is not None:
+                Hf, eta = Hf[..., :V], Hf[..., V]
+        return o, [S, Hf, eta]
+    if operator == "ahla":
+        C0, H0 = state0
+        u, C = shared(qs, k, v, C0)  # u_t = C_t^T q_t
+        o, Hf = per_head(qs, expand(k), u, H0)
+        return o, [C, Hf]
+    if operator == "hla3":
+        S0, C0, H0 = state0
+        k_tilde, S = shared(qs, k, k, S0)
+        u, C = shared(qs, k, v, C0)
+        o, Hf = per_head(qs, k_tilde, u, H0)
+        return o, [S, C, Hf]
+    raise ValueError(f"operator: expected one of hla2, ahla, hla3, got {operator!r}")
+
+
+STATE_TYPES: dict[str, type] = {"hla2": HLA2State, "ahla": AHLAState, "hla3": HLA3State}
+
+
+def state_fields(
+    operator: str, n: int, hq: int, hkv: int, K: int, V: int, normalize: bool = False
+) -> dict[str, tuple[int, ...] | None]:
+    """Field name -> shape of an operator's state (None: absent for these options)."""
+    if operator == "hla2":
+        return {"S": (n, hkv, K, K), "H": (n, hq, K, V), "eta": (n, hq, K) if normalize else None}
+    if operator == "ahla":
+        return {"C": (n, hkv, K, V), "H": (n, hq, K, V)}
+    if operator == "hla3":
+        return {"S": (n, hkv, K, K), "C": (n, hkv, K, V), "H": (n, hq, K, V)}
+    raise ValueError(f"operator: expected one of hla2, ahla, hla3, got {operator!r}")
+
+
+def _run(
+    operator: str,
+    q: object,
+    k: object,
+    v: object,
+    *,
+    log_decay: object,
+    scale: object,
+    initial_state: object,
+    output_final_state: bool,
+    cu_seqlens: object,
+    sp: SequenceParallel | None,
+    chunk_size: object,
+    normalize: bool = False,
+    ridge: float = 0.0,
+    eps: float = DEFAULT_EPS,
+) -> tuple[torch.Tensor, tuple | None]:
+    """Validate, then run :func:`compose` with the primitive as every stage."""
+    x = validate.check_inputs(
+        q, k, v, log_decay=log_decay, scale=scale, cu_seqlens=cu_seqlens, sp=sp,
+        chunk_size=chunk_size,
+    )
+    normalize = _check_flag("normalize", normalize)
+    ridge = _check_nonneg("ridge", ridge)
+    eps = _check_nonneg("eps", eps)
+    fields = state_fields(operator, x.n_seq, x.H, x.H, x.K, x.V, normalize)
+    state0 = _unpack_state(initial_state, fields, x.q)
+    if sp is not None:
+        sp.check_call(x, op=operator, options=(normalize, ridge, eps))
+    cdt = compute_dtype(x.q.dtype)
+
+    def stage(qs: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, h0: torch.Tensor | None):
+        return primitive(
+            qs, kk, vv, x.g, cu_seqlens=x.cu_seqlens, h0=h0, want_final=output_final_state,
+            chunk_size=x.chunk_size, sp=sp,
+        )
+
+    o, final = compose(
+        operator, (x.q * x.scale).to(cdt), x.k.to(cdt), x.v.to(cdt), state0,
+        shared=stage, per_head=stage, normalize=normalize, ridge=ridge, eps=eps,
+    )
+    state = STATE_TYPES[operator](*final) if output_final_state else None
+    return o.to(x.q.dtype), state
+
+
 def hla2(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -124,49 +255,11 @@ def hla2(
     Returns:
         (o [B, T, H, V], HLA2State or None)
     """
-    x = validate.check_inputs(
-        q,
-        k,
-        v,
-        log_decay=log_decay,
-        scale=scale,
-        cu_seqlens=cu_seqlens,
-        sp=sp,
-        chunk_size=chunk_size,
+    return _run(
+        "hla2", q, k, v, log_decay=log_decay, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, sp=sp,
+        chunk_size=chunk_size, normalize=normalize, ridge=ridge, eps=eps,
     )
-    normalize = _check_flag("normalize", normalize)
-    ridge = _check_nonneg("ridge", ridge)
-    eps = _check_nonneg("eps", eps)
-    N, H, K, V = x.n_seq, x.H, x.K, x.V
-    S0, H0, eta0 = _unpack_state(
-        initial_state,
-        {"S": (N, H, K, K), "H": (N, H, K, V), "eta": (N, H, K) if normalize else None},
-        x.q,
-    )
-    if sp is not None:
-        sp.check_call(x, op="hla2", options=(normalize, ridge, eps))
-    cdt = compute_dtype(x.q.dtype)
-    qs, kk, vv = (x.q * x.scale).to(cdt), x.k.to(cdt), x.v.to(cdt)
-    common = dict(
-        cu_seqlens=x.cu_seqlens, want_final=output_final_state, chunk_size=x.chunk_size, sp=sp
-    )
-
-    k_tilde, S = primitive(qs, kk, kk, x.g, h0=S0, **common)
-    if ridge:
-        k_tilde = k_tilde + ridge * qs
-    if normalize:
-        # den is the same primitive with a ones column appended to v.
-        vv = torch.cat([vv, torch.ones_like(vv[..., :1])], dim=-1)
-        if H0 is not None:
-            H0 = torch.cat([H0, eta0[..., None]], dim=-1)
-    o, Hf = primitive(qs, k_tilde, vv, x.g, h0=H0, **common)
-    eta = None
-    if normalize:
-        o = o[..., :V] / (o[..., V:] + eps)
-        if Hf is not None:
-            Hf, eta = Hf[..., :V], Hf[..., V]
-    state = HLA2State(S, Hf, eta) if output_final_state else None
-    return o.to(x.q.dtype), state
 
 
 def ahla(
@@ -186,28 +279,11 @@ def ahla(
 
     Keywords as in :func:`hla_sp.linear_attention`; the state is :class:`AHLAState`.
     """
-    x = validate.check_inputs(
-        q,
-        k,
-        v,
-        log_decay=log_decay,
-        scale=scale,
-        cu_seqlens=cu_seqlens,
-        sp=sp,
+    return _run(
+        "ahla", q, k, v, log_decay=log_decay, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, sp=sp,
         chunk_size=chunk_size,
     )
-    shape = (x.n_seq, x.H, x.K, x.V)
-    C0, H0 = _unpack_state(initial_state, {"C": shape, "H": shape}, x.q)
-    if sp is not None:
-        sp.check_call(x, op="ahla", options=())
-    cdt = compute_dtype(x.q.dtype)
-    qs, kk, vv = (x.q * x.scale).to(cdt), x.k.to(cdt), x.v.to(cdt)
-    common = dict(
-        cu_seqlens=x.cu_seqlens, want_final=output_final_state, chunk_size=x.chunk_size, sp=sp
-    )
-    u, C = primitive(qs, kk, vv, x.g, h0=C0, **common)
-    o, Hf = primitive(qs, kk, u, x.g, h0=H0, **common)
-    return o.to(x.q.dtype), (AHLAState(C, Hf) if output_final_state else None)
 
 
 def hla3(
@@ -227,28 +303,8 @@ def hla3(
 
     Keywords as in :func:`hla_sp.linear_attention`; the state is :class:`HLA3State`.
     """
-    x = validate.check_inputs(
-        q,
-        k,
-        v,
-        log_decay=log_decay,
-        scale=scale,
-        cu_seqlens=cu_seqlens,
-        sp=sp,
+    return _run(
+        "hla3", q, k, v, log_decay=log_decay, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, sp=sp,
         chunk_size=chunk_size,
     )
-    N, H, K, V = x.n_seq, x.H, x.K, x.V
-    S0, C0, H0 = _unpack_state(
-        initial_state, {"S": (N, H, K, K), "C": (N, H, K, V), "H": (N, H, K, V)}, x.q
-    )
-    if sp is not None:
-        sp.check_call(x, op="hla3", options=())
-    cdt = compute_dtype(x.q.dtype)
-    qs, kk, vv = (x.q * x.scale).to(cdt), x.k.to(cdt), x.v.to(cdt)
-    common = dict(
-        cu_seqlens=x.cu_seqlens, want_final=output_final_state, chunk_size=x.chunk_size, sp=sp
-    )
-    k_tilde, S = primitive(qs, kk, kk, x.g, h0=S0, **common)
-    u, C = primitive(qs, kk, vv, x.g, h0=C0, **common)
-    o, Hf = primitive(qs, k_tilde, u, x.g, h0=H0, **common)
-    return o.to(x.q.dtype), (HLA3State(S, C, Hf) if output_final_state else None)
