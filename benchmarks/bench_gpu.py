@@ -5,9 +5,11 @@
 
 Correctness: ``linear_attention`` (Triton) and ``hla2`` (the composition on Triton, and
 the fused kernel) against the PyTorch path in fp64, forward and every gradient, with
-per-token decay, initial states and packed documents. fp32 must be within twice the
-PyTorch fp32 error plus 2^-20 of the norm; bf16 within 4 (primitive) or 8 (hla2) unit
-roundoffs in relative norm (the reasons are in tests/test_kernels*.py).
+per-token decay, initial states and packed documents; and one 1M-token sequence with
+B*T*H*K past 2^31, whose tail is checked against the torch path (int64 offsets).
+fp32 must be within twice the PyTorch fp32 error plus 2^-20 of the norm; bf16 within
+4 (primitive) or 8 (hla2) unit roundoffs in relative norm (the reasons are in
+tests/test_kernels*.py).
 
 Timing: forward + backward with ``triton.testing.do_bench`` (median ms) at B=1, H=16,
 K=V=128 and T = 8k, 32k, 128k, bf16 inputs, per-head decay, for
@@ -140,6 +142,45 @@ def correctness(device: str, T: int, H: int, K: int, V: int) -> list[dict]:
     return rows
 
 
+def check_large_offsets(device: str, T: int, H: int, K: int, V: int, L: int = 200) -> dict:
+    """B*T*H*K past 2^31 (int64 offsets): the last L tokens against the torch path.
+
+    The tail's outputs and gradients depend on the prefix only through the carry into
+    the tail, the prefix's segment summary, so the reference runs on the tail alone.
+    A 32-bit offset overflow would read or write the wrong memory there.
+    """
+    from hla_sp.kernels import chunk_linear_attention_triton
+
+    from hla_sp.ops.chunk import chunk_linear_attention, segment_summary
+
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(1, T, H, d, device=device, dtype=torch.bfloat16) for d in (K, K, V))
+    q = (q * K**-0.5).requires_grad_()
+    k.requires_grad_()
+    v.requires_grad_()
+    g = -0.01 * torch.rand(1, T, H, device=device)
+    o, h_T = chunk_linear_attention_triton(q, k, v, g)
+    do = torch.randn(1, L, H, V, device=device)
+    (o[:, -L:].float() * do).sum().backward()
+    s = T - L
+    got = [o[:, s:].detach(), h_T.detach(), q.grad[:, s:], k.grad[:, s:], v.grad[:, s:]]
+    del o, q.grad, k.grad, v.grad
+    with torch.no_grad():
+        h_pre, _ = segment_summary(k[:, :s], v[:, :s], g[:, :s])
+    tail = [x[:, s:].detach().float().requires_grad_() for x in (q, k, v)]
+    o_ref, h_ref = chunk_linear_attention(*tail, g[:, s:], h0=h_pre)
+    (o_ref * do).sum().backward()
+    ref = [o_ref.detach(), h_ref.detach()] + [x.grad for x in tail]
+    errs = [rel(a, b) for a, b in zip(got, ref)]
+    bound = 8 * 2.0**-8  # bf16 inputs against fp32 on the same rounded inputs
+    ok = all(e <= bound for e in errs)
+    print(f"[check] int64 offsets    B*T*H*K = {T * H * K:d} ({T * H * K / 2**31:.2f} x 2^31) "
+          f"{'OK  ' if ok else 'FAIL'} max rel err {max(errs):.2e} (bound {bound:.2e})",
+          flush=True)
+    return dict(op="large_offsets", T=T, H=H, K=K, V=V, numel=T * H * K, ok=ok, errors=errs,
+                bounds=[bound] * len(errs))
+
+
 def timer(device: str) -> Callable[[Callable[[], None]], float]:
     """Median milliseconds of fn: do_bench on CUDA, one timed call on CPU (dry run)."""
     if device == "cuda":
@@ -255,6 +296,8 @@ def targets(rows: list[dict]) -> list[dict]:
                 r = ratio("sdpa_flash", hla)
                 out.append(dict(T=T, target=f"sdpa >= 5x {hla}", value=r,
                                 ok=None if r is None else r >= 5))
+    if rows and rows[0]["T"] < 1024:
+        print("[target] (dry run: these are interpreter timings, not a measurement)")
     for t in out:
         v = "n/a" if t["value"] is None else f"{t['value']:.2f}"
         print(f"[target] T={t['T']:7d} {t['target']:22s} {v:>6s} "
@@ -283,6 +326,10 @@ def main() -> int:
                         torch=torch.__version__, dry_run=args.dry_run)
     if not args.skip_check:
         result["check"] = correctness(device, check_T, 2 if args.dry_run else 4, K, V)
+        big_T = 300 if args.dry_run else 2**20 + 100  # 1M tokens: B*T*H*K > 2^31 at H=16
+        result["check"].append(check_large_offsets(device, big_T, H, K, V))
+        if device == "cuda":
+            torch.cuda.empty_cache()
     result["timings"] = timings(device, seqlens, H, K, V)
     result["targets"] = targets(result["timings"])
     result["wall_s"] = time.time() - t0
