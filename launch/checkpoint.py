@@ -152,14 +152,17 @@ def load(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
+    step: int | None = None,
 ) -> dict[str, Any]:
-    """Restore the latest checkpoint under ``root``; return iteration and data position."""
-    it = latest_iteration(root)
+    """Restore the latest (or ``step``'s) checkpoint; return iteration and data position."""
+    it = latest_iteration(root) if step is None else step
     if it is None:
         raise FileNotFoundError(
             f"--load {root}: no {LATEST}; it holds no complete checkpoint (was --save used?)"
         )
     d = iter_dir(root, it)
+    if not os.path.isdir(d):
+        raise FileNotFoundError(f"--load {root}: no complete checkpoint {d}")
     state = torch.load(
         os.path.join(d, f"model_optim_tp{tp_rank:02d}.pt"), map_location="cpu", weights_only=True
     )

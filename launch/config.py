@@ -125,6 +125,8 @@ class TrainConfig:
     """Directory to write checkpoints to (atomically)."""
     load: str | None = None
     """Directory to resume from (its latest complete checkpoint)."""
+    ckpt_step: int | None = None
+    """With --load: resume from this iteration's checkpoint instead of the latest."""
     save_interval: int | None = None
     """Save every this many iterations (and always at the end when --save is set)."""
     exit_interval: int | None = None

@@ -21,14 +21,17 @@ from hla_sp.launch.data import EOD
 
 
 def iter_files(inputs: list[str], suffixes: list[str] | None) -> Iterator[str]:
-    """Files named or found under directories, in a fixed (sorted) order."""
+    """Files named, and files under directories sorted by relative path."""
     for path in inputs:
         if os.path.isdir(path):
-            for dirpath, dirnames, filenames in os.walk(path):
-                dirnames.sort()
-                for f in sorted(filenames):
-                    if not suffixes or any(f.endswith(s) for s in suffixes):
-                        yield os.path.join(dirpath, f)
+            found = [
+                os.path.join(dirpath, f)
+                for dirpath, _, filenames in os.walk(path)
+                for f in filenames
+                if not suffixes or any(f.endswith(s) for s in suffixes)
+            ]
+            # sorted by relative path, so the order is the same on every machine
+            yield from sorted(found, key=lambda p: os.path.relpath(p, path).split(os.sep))
         elif os.path.isfile(path):
             yield path
         else:

@@ -108,6 +108,7 @@ class Trainer:
                 model=self.model,
                 optimizer=self.optimizer,
                 scheduler=self.scheduler,
+                step=cfg.ckpt_step,
             )
             self.iteration, self.consumed_samples = pos["iteration"], pos["consumed_samples"]
         self.rss_before_train = metrics.current_rss_bytes()
