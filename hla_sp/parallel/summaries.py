@@ -1,0 +1,99 @@
+"""Segment summaries of the primitive and their associative operator ⊕ (DESIGN §2).
+
+A summary of a contiguous segment is (h, a, s): the state the segment produces from a
+zero state [B, H, K, V], its total log-decay [B, H], and a flag s, 1 when the
+segment contains a document start (the carry is cut there). For an earlier segment
+A and a later segment B:
+
+    A ⊕ B = (exp(a_B) (1 - s_B) h_A + h_B,  a_A + a_B,  max(s_A, s_B))    identity (0, 0, 0)
+
+Summaries travel between ranks packed in one flat buffer [D], D = BHKV + BH + 1, in
+fp32 (fp64 for fp64 inputs) whatever the input dtype: bf16 states lose the small
+contributions of long-decayed history.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SummaryShape:
+    """Sizes of one packed summary."""
+
+    B: int
+    H: int
+    K: int
+    V: int
+
+    @property
+    def n_state(self) -> int:
+        return self.B * self.H * self.K * self.V
+
+    @property
+    def size(self) -> int:
+        """D, the number of elements of one packed summary."""
+        return self.n_state + self.B * self.H + 1
+
+
+def pack(shape: SummaryShape, h: torch.Tensor, a: torch.Tensor, start: bool) -> torch.Tensor:
+    """(h [B, H, K, V], a [B, H], start) -> [D]."""
+    flag = h.new_full((1,), 1.0 if start else 0.0)
+    return torch.cat([h.reshape(-1), a.reshape(-1).to(h.dtype), flag])
+
+
+def unpack(shape: SummaryShape, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[..., D] -> h [..., B, H, K, V], a [..., B, H], s [...]."""
+    lead = x.shape[:-1]
+    n = shape.n_state
+    h = x[..., :n].reshape(*lead, shape.B, shape.H, shape.K, shape.V)
+    a = x[..., n : n + shape.B * shape.H].reshape(*lead, shape.B, shape.H)
+    return h, a, x[..., -1]
+
+
+def identity(shape: SummaryShape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The neutral summary of an empty segment."""
+    return torch.zeros(shape.size, dtype=dtype, device=device)
+
+
+def combine(shape: SummaryShape, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x ⊕ y for x earlier than y; both [..., D]."""
+    hx, ax, sx = unpack(shape, x)
+    hy, ay, sy = unpack(shape, y)
+    sy = sy.detach()  # a flag, not a variable
+    p = torch.exp(ay) * (1.0 - sy)[..., None, None]  # [..., B, H]
+    h = p[..., None, None] * hx + hy
+    s = torch.maximum(sx.detach(), sy)
+    return torch.cat([h.flatten(-4), (ax + ay).flatten(-2), s[..., None]], dim=-1)
+
+
+def combine_vjp(
+    shape: SummaryShape, x: torch.Tensor, y: torch.Tensor, d_out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of ⊕ with respect to x and y, given d(x ⊕ y)."""
+    with torch.enable_grad():
+        x_ = x.detach().requires_grad_(True)
+        y_ = y.detach().requires_grad_(True)
+        dx, dy = torch.autograd.grad(combine(shape, x_, y_), (x_, y_), d_out)
+    return dx, dy
+
+
+def exclusive_prefixes(shape: SummaryShape, xs: torch.Tensor, want: list[int]) -> torch.Tensor:
+    """Left fold: for each m in ``want``, x_0 ⊕ ... ⊕ x_{m-1} (identity for m = 0).
+
+    Args:
+        xs: [M, D] summaries in global order. Returns [len(want), D].
+    """
+    out: dict[int, torch.Tensor] = {}
+    acc = identity(shape, xs.dtype, xs.device)
+    last = max(want, default=-1)
+    for m in range(last + 1):
+        if m in want:
+            out[m] = acc
+        if m < last:
+            acc = combine(shape, acc, xs[m])
+    if not want:
+        return xs.new_zeros(0, shape.size)
+    return torch.stack([out[m] for m in want])
