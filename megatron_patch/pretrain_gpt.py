@@ -1,0 +1,351 @@
+"""Megatron-LM's GPT pre-training loop with HLA attention.
+
+    python -m hla_sp.megatron_patch.pretrain_gpt <Megatron-LM flags> --attention hla2
+
+Runs ``megatron.training.pretrain`` with the HLA layer spec (TE variant when
+transformer_engine imports and ``--transformer-impl transformer_engine``, else local).
+``--attention softmax`` (the default) trains Megatron's own GPT layer.
+
+``megatron.training`` ships with megatron-core >= 0.17 (Python >= 3.12) or comes from a
+Megatron-LM checkout on PYTHONPATH; without it this module says so and exits with
+status 3. Both ``pretrain`` APIs are supported, found by signature: the one taking
+``(datasets_provider, model_provider, model_type, forward_step, ...)`` (megatron-core
+<= 0.18) and the one taking a config container first (0.19+).
+
+Silent failures guarded (status 2, before anything is built): ``--attention-backend
+local`` with HLA, ``--spec`` with HLA, and a ``--spec`` module that does not import.
+After the model is built, :func:`assert_hla_model` checks every layer really runs HLA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import inspect
+import sys
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+from hla_sp.megatron_patch.args import add_hla_args, check_hla_args, hla_enabled, hla_spec_kwargs
+
+EXIT_BAD_FLAGS = 2
+EXIT_NO_MEGATRON_TRAINING = 3
+ARGS_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
+
+
+def missing_training_message(err: BaseException) -> str:
+    """What to say when ``megatron.training`` does not import."""
+    try:
+        import megatron.core as mc
+
+        have = f"megatron-core {getattr(mc, '__version__', '?')} at {mc.__path__[0]}"
+    except ImportError:
+        have = "no megatron-core"
+    return (
+        f"hla_sp.megatron_patch.pretrain_gpt: megatron.training is not importable "
+        f"({type(err).__name__}: {err}). It ships with megatron-core >= 0.17, which needs "
+        f"Python >= 3.12 (this is Python {sys.version_info.major}.{sys.version_info.minor}, "
+        f"with {have}), or comes from a Megatron-LM checkout on PYTHONPATH. Nothing was run."
+    )
+
+
+def prescan(argv: Sequence[str]) -> argparse.Namespace:
+    """Read the flags that decide the layer before Megatron parses anything.
+
+    Raises:
+        ValueError: a combination under which HLA would silently not run.
+    """
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_hla_args(p)
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--spec", nargs="*", default=None)
+    ns, _ = p.parse_known_args(list(argv))
+    check_hla_args(ns)
+    return ns
+
+
+def resolve_spec(spec: Sequence[str]) -> Any:
+    """Import ``--spec MODULE NAME`` loudly (Megatron's importer hides ImportError)."""
+    if len(spec) != 2:
+        raise ValueError(f"--spec: expected MODULE NAME, got {list(spec)}")
+    module, name = spec
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise ValueError(
+            f"--spec {module} {name}: the module does not import ({type(e).__name__}: {e}). "
+            "Megatron would log this and silently build the default softmax spec."
+        ) from e
+    if not hasattr(mod, name):
+        raise ValueError(f"--spec {module} {name}: {module} has no attribute {name!r}")
+    return getattr(mod, name)
+
+
+def _expects_hla(spec: Any) -> bool:
+    from hla_sp.megatron_patch.specs import is_hla_builder
+
+    attn = getattr(getattr(spec, "submodules", None), "self_attention", None)
+    core = getattr(getattr(attn, "submodules", None), "core_attention", None)
+    return core is not None and is_hla_builder(core)
+
+
+def layer_spec_from_args(args: Any, user_spec: Any = None) -> Any:
+    """The transformer-layer spec the flags ask for."""
+    from hla_sp.megatron_patch.specs import get_hla_layer_spec, te_available
+
+    use_te = getattr(args, "transformer_impl", "local") == "transformer_engine" and te_available()
+    megatron_kwargs: dict[str, Any] = dict(
+        num_experts=getattr(args, "num_experts", None),
+        moe_grouped_gemm=getattr(args, "moe_grouped_gemm", False),
+        qk_layernorm=getattr(args, "qk_layernorm", False),
+    )
+    if not use_te:
+        megatron_kwargs["normalization"] = getattr(args, "normalization", None)
+    if hla_enabled(args):
+        return get_hla_layer_spec(use_te=use_te, **hla_spec_kwargs(args), **megatron_kwargs)
+    if user_spec is not None:
+        return user_spec
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if use_te:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**megatron_kwargs)
+    return gpt_layer_specs.get_gpt_layer_local_spec(**megatron_kwargs)
+
+
+def _filter_kwargs(fn: Callable, kwargs: dict[str, Any]) -> dict[str, Any]:
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+class Trainer:
+    """The providers handed to ``megatron.training.pretrain``."""
+
+    def __init__(self, ns: argparse.Namespace, user_spec: Any = None):
+        self.ns = ns
+        self.user_spec = user_spec
+        self.expect_hla = hla_enabled(ns) or (user_spec is not None and _expects_hla(user_spec))
+        self.operator = ns.attention if hla_enabled(ns) else None
+        self._checked = False
+
+    # -- model -------------------------------------------------------------------------
+    def check_model(self, model: Any) -> None:
+        """Fail loudly when HLA was asked for and the model does not run it."""
+        if self.expect_hla and not self._checked:
+            from hla_sp.megatron_patch.checks import assert_hla_model
+
+            found = assert_hla_model(model, self.operator)
+            print(f"> HLA attention in {len(found)} layer(s): {sorted(set(found.values()))}",
+                  flush=True)
+        self._checked = True
+
+    def model_provider(self, pre_process: bool = True, post_process: bool = True,
+                       vp_stage: int | None = None, config: Any = None,
+                       pg_collection: Any = None, **_: Any) -> Any:
+        """GPTModel with the flags' layer spec (API of megatron-core <= 0.18)."""
+        from megatron.core.models.gpt import GPTModel
+        from megatron.training import get_args
+        from megatron.training.arguments import core_transformer_config_from_args
+
+        args = get_args()
+        check_hla_args(args)
+        if config is None:
+            config = core_transformer_config_from_args(args)
+        kwargs = dict(
+            config=config, transformer_layer_spec=layer_spec_from_args(args, self.user_spec),
+            vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+            pre_process=pre_process, post_process=post_process,
+            fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type=args.position_embedding_type,
+            rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
+            rope_scaling=getattr(args, "use_rope_scaling", False), vp_stage=vp_stage,
+            pg_collection=pg_collection,
+        )
+        model = GPTModel(**_filter_kwargs(GPTModel.__init__, kwargs))
+        self._checked = False
+        self.check_model(model)
+        return model
+
+    # -- data --------------------------------------------------------------------------
+    def datasets_provider(self, train_val_test_num_samples: Any, vp_stage: Any = None) -> Any:
+        """Megatron's GPT (or mock) datasets, configured from the parsed flags."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.datasets.blended_megatron_dataset_builder import (
+            BlendedMegatronDatasetBuilder,
+        )
+        from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+        from megatron.training import get_args
+        from megatron.training.utils import get_blend_and_blend_per_split
+
+        args = get_args()
+        blend, blend_per_split = get_blend_and_blend_per_split(args)
+        candidates = dict(
+            random_seed=args.seed, sequence_length=args.seq_length, blend=blend,
+            blend_per_split=blend_per_split, split=args.split,
+            path_to_cache=getattr(args, "data_cache_path", None), tokenizer=_tokenizer(args),
+            reset_position_ids=args.reset_position_ids,
+            reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+            create_attention_mask=getattr(args, "create_attention_mask_in_dataloader", False),
+            mmap_bin_files=getattr(args, "mmap_bin_files", True),
+            num_dataset_builder_threads=getattr(args, "num_dataset_builder_threads", 1),
+            context_parallel_size=args.context_parallel_size,
+            data_parallel_size=getattr(args, "data_parallel_size", None),
+        )
+        names = {f.name for f in dataclasses.fields(GPTDatasetConfig)}
+        config = GPTDatasetConfig(**{k: v for k, v in candidates.items()
+                                     if k in names and v is not None})
+        dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+
+        def built_on_this_rank() -> bool:
+            return ps.get_tensor_model_parallel_rank() == 0 and (
+                ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage())
+
+        return BlendedMegatronDatasetBuilder(
+            dataset_type, train_val_test_num_samples, built_on_this_rank, config
+        ).build()
+
+    def get_batch(self, data_iterator: Any) -> tuple:
+        """(tokens, labels, loss_mask, attention_mask, position_ids) on this CP rank."""
+        import torch
+        from megatron.core import parallel_state as ps
+        from megatron.training import get_args
+
+        args = get_args()
+        if not (ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage()):
+            return None, None, None, None, None
+        if ps.get_tensor_model_parallel_world_size() > 1:
+            from megatron.training import utils as tu
+
+            fn = getattr(tu, "get_batch_on_this_tp_rank", None)
+            if fn is None or next(iter(inspect.signature(fn).parameters)) != "data_iterator":
+                raise NotImplementedError(
+                    "tensor parallelism in this entry point needs megatron.training.utils."
+                    "get_batch_on_this_tp_rank(data_iterator); this megatron has none")
+            batch = fn(data_iterator)
+        else:
+            raw = next(data_iterator)
+            device = torch.device("cuda", torch.cuda.current_device()) \
+                if torch.cuda.is_available() else torch.device("cpu")
+            batch = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+                     for k, v in raw.items()}
+        batch = {k: batch.get(k) for k in
+                 ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")}
+        if args.context_parallel_size > 1:
+            batch = _cp_split()(batch)
+        return (batch["tokens"], batch["labels"], batch["loss_mask"], batch["attention_mask"],
+                batch["position_ids"])
+
+    @staticmethod
+    def loss_func(loss_mask: Any, output_tensor: Any) -> tuple:
+        """Summed masked loss, its token count and the report Megatron averages."""
+        import torch
+
+        losses = output_tensor.float().reshape(-1)
+        mask = loss_mask.float().reshape(-1)
+        loss = torch.sum(losses * mask)
+        num_tokens = mask.sum().detach().to(torch.int)
+        report = {"lm loss": torch.cat([loss.detach().view(1), num_tokens.view(1)])}
+        return loss, num_tokens, report
+
+    def forward_step(self, data_iterator: Any, model: Any, *_: Any, **__: Any) -> tuple:
+        """One micro-batch: the model's per-token loss and the loss function."""
+        self.check_model(model)  # the 0.19+ builder path builds without model_provider
+        tokens, labels, loss_mask, attention_mask, position_ids = self.get_batch(data_iterator)
+        out = model(tokens, position_ids, attention_mask, labels=labels)
+        return out, partial(self.loss_func, loss_mask)
+
+
+def _cp_split() -> Callable:
+    try:
+        from megatron.core.utils import get_batch_on_this_cp_rank
+    except ImportError:
+        from megatron.training.utils import get_batch_on_this_cp_rank
+    return get_batch_on_this_cp_rank
+
+
+def _tokenizer(args: Any) -> Any:
+    """Megatron's tokenizer, wherever this version keeps it."""
+    from megatron import training
+
+    get = getattr(training, "get_tokenizer", None)
+    if get is not None:
+        try:
+            tok = get()
+        except Exception:  # newer versions assert instead of returning None
+            tok = None
+        if tok is not None:
+            return tok
+    for path in ("megatron.core.tokenizers.utils.build_tokenizer",
+                 "megatron.core.tokenizers.text.utils.build_tokenizer",
+                 "megatron.training.tokenizer.tokenizer"):
+        try:
+            mod = importlib.import_module(path)
+        except ImportError:
+            continue
+        if hasattr(mod, "build_tokenizer"):
+            return mod.build_tokenizer(args)
+    raise RuntimeError("no tokenizer builder found in this megatron version")
+
+
+def run(ns: argparse.Namespace, user_spec: Any = None) -> None:
+    """Call ``megatron.training.pretrain`` with HLA (sys.argv holds Megatron's flags)."""
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+
+    trainer = Trainer(ns, user_spec)
+    datasets = partial(Trainer.datasets_provider, trainer)
+    datasets.is_distributed = True  # type: ignore[attr-defined]  # as Megatron's script says
+    first = next(iter(inspect.signature(pretrain).parameters))
+    if first == "cfg_container":
+        # megatron-core 0.19+: parse here, put the spec in the model config, and let the
+        # config's builder make the model; forward_step checks it on its first call.
+        from megatron.training.argument_utils import (
+            gpt_config_from_args,
+            pretrain_cfg_container_from_args,
+        )
+        from megatron.training.arguments import parse_and_validate_args
+
+        args = parse_and_validate_args(extra_args_provider=add_hla_args,
+                                       args_defaults=ARGS_DEFAULTS)
+        check_hla_args(args)
+        model_cfg = gpt_config_from_args(args)
+        model_cfg.transformer_layer_spec = layer_spec_from_args(args, user_spec)
+        cfg = pretrain_cfg_container_from_args(args, model_cfg)
+        pretrain(cfg, datasets, ModelType.encoder_or_decoder, trainer.forward_step)
+    else:
+        pretrain(datasets, trainer.model_provider, ModelType.encoder_or_decoder,
+                 trainer.forward_step, extra_args_provider=add_hla_args,
+                 args_defaults=ARGS_DEFAULTS)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        ns = prescan(argv)
+        user_spec = None
+        if ns.spec and not hla_enabled(ns) and ns.spec != ["local"]:
+            user_spec = resolve_spec(ns.spec)
+    except ValueError as e:
+        print(f"hla_sp.megatron_patch.pretrain_gpt: error: {e}", file=sys.stderr)
+        return EXIT_BAD_FLAGS
+    try:
+        importlib.import_module("megatron.training")
+    except ImportError as e:
+        print(missing_training_message(e), file=sys.stderr)
+        return EXIT_NO_MEGATRON_TRAINING
+    if ns.spec == ["local"] and not hla_enabled(ns):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        user_spec = get_gpt_layer_local_spec()
+    sys.argv = [sys.argv[0], *argv]  # Megatron parses sys.argv itself
+    run(ns, user_spec)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
