@@ -548,13 +548,13 @@ def chunk_fwd(
     """Forward on prepared (contiguous, fp32 g/h0, int32 resets) inputs.
 
     Returns:
-        o: [B, T, H, V] in q's dtype, h_last: [B, H, K, V] fp32.
+        o: [B, T, H, V] fp32 (the compute dtype, as the torch path), h_last: [B, H, K, V] fp32.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = triton.cdiv(T, BT)
     hs, h_last = chunk_states(k, v, g, resets, h0, BT)
-    o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
+    o = torch.empty(B, T, H, V, dtype=torch.float32, device=q.device)  # as the torch path
     BK, BV = _block(K), _block(V)
     chunk_fwd_o_kernel[(triton.cdiv(V, BV), N, B * H)](
         q, k, v, hs, g, resets, o, T, H, K, V, N,
@@ -579,7 +579,7 @@ def chunk_bwd(
     """Backward on prepared inputs; the chunk states are recomputed, not saved.
 
     Args:
-        do: [B, T, H, V] contiguous; dht: [B, H, K, V] fp32 or None.
+        do: [B, T, H, V] contiguous, in q's dtype; dht: [B, H, K, V] fp32 or None.
 
     Returns:
         dq, dk [B, T, H, K], dv [B, T, H, V] in the input dtypes; dg [B, T, H] fp32
@@ -653,8 +653,9 @@ class ChunkLinearAttentionFunction(torch.autograd.Function):
         q, k, v, g, resets, h0 = ctx.saved_tensors
         if do is None:
             do = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
+        # do meets v in a dot, so it takes the input dtype (o itself is fp32)
         dq, dk, dv, dg, dh0 = chunk_bwd(
-            q, k, v, g, resets, h0, do.contiguous(),
+            q, k, v, g, resets, h0, do.to(q.dtype).contiguous(),
             None if dht is None else dht.float().contiguous(), ctx.BT,
         )
         return dq, dk, dv, dg, None, dh0, None
@@ -719,7 +720,8 @@ def chunk_linear_attention_triton(
             (see :func:`chunk_tile`).
 
     Returns:
-        o: [B, T, H, V] in q's dtype; h_last: [B, H, K, V] fp32.
+        o: [B, T, H, V] and h_last: [B, H, K, V], both fp32 (the compute dtype, as the
+        torch path returns them; the caller casts o).
     """
     q, k, v, g, resets, h0 = prepare(q, k, v, g, resets, h0)
     return ChunkLinearAttentionFunction.apply(q, k, v, g, resets, h0, chunk_tile(chunk_size))

@@ -149,7 +149,7 @@ def fused_hla2_fwd(
     ridge: float,
     BT: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Forward on prepared inputs. Returns o [B, T, H, V] (q's dtype), S_T, H_T (fp32)."""
+    """Forward on prepared inputs. Returns o [B, T, H, V], S_T, H_T, all fp32."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     if K > MAX_FUSED_K:
@@ -157,7 +157,7 @@ def fused_hla2_fwd(
     N = triton.cdiv(T, BT)
     BK = max(16, triton.next_power_of_2(K))
     BV = _block(V)
-    o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
+    o = torch.empty(B, T, H, V, dtype=torch.float32, device=q.device)  # cast by the caller
     S_T = torch.empty(B, H, K, K, dtype=torch.float32, device=q.device)
     H_T = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device)
     fused_hla2_fwd_kernel[(triton.cdiv(V, BV), B * H)](
@@ -189,9 +189,10 @@ def fused_hla2_bwd(
 
     Returns dq, dk, dv (input dtypes), dg (fp32 or None), dS0, dH0 (fp32 or None).
     """
-    kt, _ = chunk_fwd(q, k, k, g, resets, S0, BT)  # stage 1 output, in q's dtype
+    kt, _ = chunk_fwd(q, k, k, g, resets, S0, BT)  # stage 1 output, fp32
     if ridge:
-        kt = (kt.float() + ridge * q.float()).to(q.dtype)
+        kt = kt + ridge * q.float()
+    kt = kt.to(q.dtype)  # a dot operand, rounded as in the forward kernel
     dq2, dkt, dv, dg2, dH0 = chunk_bwd(q, kt, v, g, resets, H0, do, dH_T, BT)
     dq1, dk1, dv1, dg1, dS0 = chunk_bwd(q, k, k, g, resets, S0, dkt, dS_T, BT)
     dq = dq1.float() + dq2.float()
@@ -232,7 +233,7 @@ class FusedHLA2Function(torch.autograd.Function):
         if do is None:
             do = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
         dq, dk, dv, dg, dS0, dH0 = fused_hla2_bwd(
-            q, k, v, g, resets, S0, H0, ctx.ridge, do.contiguous(),
+            q, k, v, g, resets, S0, H0, ctx.ridge, do.to(q.dtype).contiguous(),
             None if dS_T is None else dS_T.float().contiguous(),
             None if dH_T is None else dH_T.float().contiguous(), ctx.BT,
         )
@@ -259,7 +260,7 @@ def fused_hla2_chunk(
         S0: [B, H, K, K], H0: [B, H, K, V] initial states or None.
 
     Returns:
-        o [B, T, H, V] in q's dtype; S_T [B, H, K, K] and H_T [B, H, K, V] in fp32.
+        o [B, T, H, V], S_T [B, H, K, K] and H_T [B, H, K, V], all fp32.
     """
     q, k, v, g, resets, H0 = prepare(q, k, v, g, resets, H0)
     if S0 is not None:

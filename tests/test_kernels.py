@@ -185,7 +185,8 @@ def test_chunk_half(interp: SimpleNamespace, dtype: torch.dtype, rtol: float) ->
     before = launches()
     tri = run(interp.fn, x, dtype, use_h0=True)
     assert launches() > before
-    assert tri["o"].dtype == dtype and tri["h_T"].dtype == torch.float32
+    # the compute dtype, as the torch path: the caller rounds o once, at the end
+    assert tri["o"].dtype == torch.float32 and tri["h_T"].dtype == torch.float32
     for name in ("o", "h_T", "dq", "dk", "dv", "dg", "dh0"):
         err = ((tri[name].double() - ref[name]).norm() / ref[name].norm()).item()
         print(f"{dtype} {name}: relative error {err:.2e}")

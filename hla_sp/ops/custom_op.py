@@ -10,7 +10,8 @@ Triton autograd.Function), so eager behaviour and speed are unchanged.
 Two operators, both taking the backend name chosen by the dispatcher:
 
     hla_sp::chunk_linear_attention(q, k, v, g?, resets?, h0?, chunk_size, backend)
-        -> (o [B, T, H, V] in q's dtype, h_last [B, H, K, V] in the compute dtype)
+        -> (o [B, T, H, V], h_last [B, H, K, V]), both in the compute dtype, as
+        :func:`hla_sp.ops.chunk.chunk_linear_attention` returns them
     hla_sp::chunk_linear_attention_bwd(q, k, v, g?, resets?, h0?, do, dht?, chunk_size,
         backend) -> (dq, dk, dv, dg, dh0)
 
@@ -49,7 +50,7 @@ def chunk_linear_attention_op(
     chunk_size: int,
     backend: str,
 ) -> tuple[Tensor, Tensor]:
-    """The chunk scan of ``backend`` ("torch" or "triton"); o in q's dtype."""
+    """The chunk scan of ``backend`` ("torch" or "triton"), in the compute dtype."""
     if backend == "triton":
         from hla_sp.kernels.chunk import chunk_fwd, chunk_tile, prepare
 
@@ -62,7 +63,7 @@ def chunk_linear_attention_op(
     # of a custom op may not alias its inputs: clone in the (T = 0) corner case.
     if h0 is not None and h.data_ptr() == h0.data_ptr():
         h = h.clone()
-    return o.to(q.dtype).contiguous(), h.contiguous()
+    return o.contiguous(), h.contiguous()
 
 
 @chunk_linear_attention_op.register_fake
@@ -72,7 +73,7 @@ def _(
 ) -> tuple[Tensor, Tensor]:
     B, T, H, K = q.shape
     V = v.shape[-1]
-    o = q.new_empty(B, T, H, V)
+    o = q.new_empty(B, T, H, V, dtype=_out_dtype(q, backend))
     h = q.new_empty(B, H, K, V, dtype=_out_dtype(q, backend))
     return o, h
 
@@ -96,7 +97,7 @@ def chunk_linear_attention_bwd_op(
 
         qp, kp, vp, gp, rp, hp = prepare(q, k, v, g, resets, h0)
         dq, dk, dv, dg, dh0 = chunk_bwd(
-            qp, kp, vp, gp, rp, hp, do.contiguous(),
+            qp, kp, vp, gp, rp, hp, do.to(q.dtype).contiguous(),
             None if dht is None else dht.float().contiguous(), chunk_tile(chunk_size),
         )
     else:
@@ -127,11 +128,12 @@ def _torch_vjp(
         gg = next(it) if g is not None else None
         hh = next(it) if h0 is not None else None
         o, h = chunk_linear_attention(*xs[:3], gg, resets=resets, h0=hh, chunk_size=chunk_size)
-        return o.to(q.dtype), h
+        return o, h
 
     primals = [q, k, v] + [x for x in (g, h0) if x is not None]
     (_, h), vjp_fn = torch.func.vjp(f, *primals)
-    grads = vjp_fn((do, torch.zeros_like(h) if dht is None else dht.to(h.dtype)))
+    # o and h are both in the compute dtype
+    grads = vjp_fn((do.to(h.dtype), torch.zeros_like(h) if dht is None else dht.to(h.dtype)))
     it = iter(grads[3:])
     dg = next(it) if g is not None else None
     dh0 = next(it) if h0 is not None else None
@@ -161,7 +163,7 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
 def _backward(ctx: Any, do: Tensor | None, dht: Tensor | None) -> tuple[Tensor | None, ...]:
     q, k, v, g, resets, h0 = ctx.saved_tensors
     if do is None:
-        do = q.new_zeros(*q.shape[:3], v.shape[-1])
+        do = q.new_zeros(*q.shape[:3], v.shape[-1], dtype=_out_dtype(q, ctx.backend))
     dq, dk, dv, dg, dh0 = chunk_linear_attention_bwd_op(
         q, k, v, g, resets, h0, do, dht, ctx.chunk_size, ctx.backend
     )
