@@ -16,7 +16,8 @@ K=V=128 and T = 8k, 32k, 128k, bf16 inputs, per-head decay, for
 - ``la``: hla_sp.linear_attention on the Triton kernels,
 - ``hla2``: hla_sp.hla2, the two-stage composition (it computes in fp32 between
   stages, so its dots are fp32; TF32 is allowed for this run, reported in the JSON),
-- ``hla2_fused``: hla_sp.kernels.hla2_fused (opt-in),
+- ``hla2_fused`` / ``hla2_fused_seq``: hla_sp.kernels.hla2_fused (opt-in), chunked
+  and sequential modes,
 - ``sdpa_flash``: causal scaled_dot_product_attention restricted to the flash backend,
 - ``fla_simple_gla``: fla's chunk_simple_gla, when ``fla`` imports.
 
@@ -111,11 +112,15 @@ def correctness(device: str, T: int, H: int, K: int, V: int) -> list[dict]:
         o, st = hla2_fused(q, k, v, log_decay=a, output_final_state=True)
         return o, st.S, st.H
 
+    def fused_seq(q: Tensor, k: Tensor, v: Tensor, a: Tensor) -> tuple[Tensor, ...]:
+        o, st = hla2_fused(q, k, v, log_decay=a, output_final_state=True, mode="sequential")
+        return o, st.S, st.H
+
     cases = [("linear_attention", la, dict(base, h0=h0), 4), ("hla2", hla2, base, 8),
-             ("hla2_fused", fused, base, 8)]
+             ("hla2_fused", fused, base, 8), ("hla2_fused_seq", fused_seq, base, 8)]
     rows = []
     for name, fn, leaves, n_u in cases:
-        twin = hla2 if name == "hla2_fused" else fn  # the torch path computing the same
+        twin = hla2 if name.startswith("hla2_fused") else fn  # the torch path, same math
         os.environ["HLA_SP_BACKEND"] = "torch"
         ref = run_case(twin, leaves, torch.float64, seed=1)
         ref32 = run_case(twin, leaves, torch.float32, seed=1)
@@ -223,6 +228,10 @@ def time_one(
                flops_la(T, H, K, V)),
         "hla2": (step(lambda: hla_sp.hla2(q, k, v, log_decay=a)[0]), flops_hla2(T, H, K, V)),
         "hla2_fused": (step(lambda: hla2_fused(q, k, v, log_decay=a)[0]), flops_hla2(T, H, K, V)),
+        "hla2_fused_seq": (
+            step(lambda: hla2_fused(q, k, v, log_decay=a, mode="sequential")[0]),
+            flops_hla2(T, H, K, V),
+        ),
     }
     if device == "cuda":
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -285,14 +294,14 @@ def targets(rows: list[dict]) -> list[dict]:
             x, y = ms.get((a, T)), ms.get((b, T))
             return None if x is None or y is None else x / y
 
-        for hla in ("hla2", "hla2_fused"):
+        for hla in ("hla2", "hla2_fused", "hla2_fused_seq"):
             r = ratio(hla, "la")
             ok = None if r is None else r <= 2.2
             out.append(dict(T=T, target=f"{hla} <= 2.2x la", value=r, ok=ok))
         r = ratio("la", "fla_simple_gla")
         out.append(dict(T=T, target="la <= 1.2x fla", value=r, ok=None if r is None else r <= 1.2))
         if T >= 128 * 1024:
-            for hla in ("hla2", "hla2_fused"):
+            for hla in ("hla2", "hla2_fused", "hla2_fused_seq"):
                 r = ratio("sdpa_flash", hla)
                 out.append(dict(T=T, target=f"sdpa >= 5x {hla}", value=r,
                                 ok=None if r is None else r >= 5))
@@ -300,7 +309,7 @@ def targets(rows: list[dict]) -> list[dict]:
         print("[target] (dry run: these are interpreter timings, not a measurement)")
     for t in out:
         v = "n/a" if t["value"] is None else f"{t['value']:.2f}"
-        print(f"[target] T={t['T']:7d} {t['target']:22s} {v:>6s} "
+        print(f"[target] T={t['T']:7d} {t['target']:26s} {v:>6s} "
               f"{'' if t['ok'] is None else ('met' if t['ok'] else 'NOT met')}")
     return out
 

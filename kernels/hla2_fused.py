@@ -1,20 +1,28 @@
-"""Fused second-order HLA: k~ = S q and the output in one pass per chunk.
+"""Fused second-order HLA: k~ = S q and the output per chunk, k~ kept on chip.
 
 The composition ``hla2 = LA(q, LA(q, k, k), v)`` writes the data-dependent key
-k~ (B*T*H*K values) to global memory between its two stages. Here one program per
-(batch, head, V block) walks the chunks in order and keeps both states on chip:
+k~ (B*T*H*K values) to global memory between its two stages, and reads it back
+twice. With the masks D, ws, wc and pass factor p of :mod:`hla_sp.kernels.chunk`,
+chunk n needs only the stage-1 state S entering it to rebuild its keys:
 
-    per chunk n (masks D, ws, wc and pass factor p as in :mod:`hla_sp.kernels.chunk`):
-        k~  = ((q k^T) * D) k + wc * (q S) + ridge * q        stage 1, [BT, K], on chip
-        o   = ((q k~^T) * D) v + wc * (q H)                   stage 2, [BT, BV]
-        S   = p S + (k * ws)^T k                              [K, K]
-        H   = p H + (k~ * ws)^T v                             [K, BV]
+    k~  = ((q k^T) * D) k + wc * (q S_in[n]) + ridge * q       stage 1, [BT, K]
+    o   = ((q k~^T) * D) v + wc * (q H_in[n])                  stage 2, [BT, V]
+    S_in[n+1] = p S_in[n] + (k * ws)^T k,   H_in[n+1] = p H_in[n] + (k~ * ws)^T v
 
-so k~ never reaches global memory in the forward. The price: the chunks of one head
-run in sequence (parallelism B*H*ceil(V/BV) instead of x N chunks), and a program
-holds the whole K x K state (K <= 128 is the intended range). Whether this beats the
-two-stage composition is a GPU measurement (benchmarks/gpu_check.sh); until then it
-is opt-in: call :func:`hla2_fused`, the default ``hla_sp.hla2`` is the composition.
+Two forms, both keeping k~ out of global memory in the forward:
+
+- ``mode="sequential"`` (:func:`fused_hla2_fwd_kernel`): one program per (batch,
+  head, V block) walks the chunks in order with S and H on chip: one pass, no state
+  buffers, but only B*H*ceil(V/BV) programs and a K x K fp32 state per program.
+- ``mode="chunked"`` (the default): chunk-parallel like the primitive. S_in comes
+  from the primitive's state kernels (values = k); :func:`hla2_state_kernel`
+  rebuilds k~ per chunk and writes only the chunk's stage-2 state; the state passing
+  gives H_in; :func:`hla2_fwd_o_kernel` rebuilds k~ again and writes o. k~ is
+  computed twice on chip instead of being stored once and read twice.
+
+Whether either beats the two-stage composition is a GPU measurement
+(benchmarks/gpu_check.sh times both); until then this is opt-in: call
+:func:`hla2_fused`; the default ``hla_sp.hla2`` stays the composition.
 
 The backward recomputes k~ with the primitive's forward kernels, then runs the
 primitive's backward kernels for stage 2 and for stage 1 (k~ exists only during the
@@ -34,7 +42,17 @@ from hla_sp.ops import validate
 from hla_sp.ops.compositions import DEFAULT_EPS, HLA2State
 
 from ._jit import lazy_jit
-from .chunk import _block, _dot_precision, _upcast, chunk_bwd, chunk_fwd, chunk_tile, prepare
+from .chunk import (
+    _block,
+    _dot_precision,
+    _upcast,
+    chunk_bwd,
+    chunk_fwd,
+    chunk_states,
+    chunk_tile,
+    prepare,
+    state_passing,
+)
 
 
 @lazy_jit
@@ -135,7 +153,188 @@ def fused_hla2_fwd_kernel(
         tl.store(S_T + (i_bh * K + o_k[:, None]) * K + o_k[None, :], b_S, mask=m_kk)
 
 
-MAX_FUSED_K = 128  # the program holds a K x K fp32 state
+@lazy_jit
+def hla2_state_kernel(
+    q,  # [B, T, H, K]
+    k,  # [B, T, H, K]
+    v,  # [B, T, H, V]
+    Ss,  # [B, H, N, K, K] fp32: stage-1 state entering each chunk
+    g,  # [B, T, H] fp32 (HAS_G)
+    r,  # [B, T] int32 (HAS_R)
+    hs,  # [B, H, N, K, V] fp32 out: stage-2 chunk states from zero
+    ridge,  # float
+    T,
+    H,
+    K,
+    V,
+    N,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_G: tl.constexpr,
+    HAS_R: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Stage-2 state of one chunk, block [BK (x), BV]: (k~[:, x] * ws)^T v, k~ on chip."""
+    i_xv, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NV = tl.cdiv(V, BV)
+    i_x, i_v = i_xv // NV, i_xv % NV
+    i_bh = i_bh.to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_i = tl.arange(0, BT)
+    o_t = i_n * BT + o_i
+    m_t = o_t < T
+    o_x = i_x * BK + tl.arange(0, BK)
+    m_x = o_x < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_D = o_i[:, None] >= o_i[None, :]
+    if HAS_G:
+        b_b = tl.cumsum(tl.load(g + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0), 0)
+    else:
+        b_b = tl.zeros([BT], dtype=tl.float32)
+    b_bC = tl.sum(tl.where(o_i == BT - 1, b_b, 0.0), 0)
+    b_wc = tl.exp(b_b)
+    b_ws = tl.exp(b_bC - b_b)
+    if HAS_R:
+        b_c = tl.cumsum(tl.load(r + i_b * T + o_t, mask=m_t, other=0), 0)
+        b_cC = tl.sum(tl.where(o_i == BT - 1, b_c, 0), 0)
+        b_wc = tl.where(b_c == 0, b_wc, 0.0)
+        b_ws = tl.where(b_c == b_cC, b_ws, 0.0)
+        m_D = m_D & (b_c[:, None] == b_c[None, :])
+    b_D = tl.exp(tl.where(m_D, b_b[:, None] - b_b[None, :], float("-inf")))  # [BT, BT]
+
+    # b_A: (q k^T) over all of K; b_qS: (q S_in)[:, x]
+    b_A = tl.zeros([BT, BT], dtype=tl.float32)
+    b_qS = tl.zeros([BT, BK], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        p_qk = ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :]  # [BT, BK]
+        b_q = tl.load(q + p_qk, mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_k = tl.load(k + p_qk, mask=m_t[:, None] & m_k[None, :], other=0.0)
+        p_S = Ss + ((i_bh * N + i_n) * K + o_k[:, None]) * K + o_x[None, :]  # [BK, BK]
+        b_S = tl.load(p_S, mask=m_k[:, None] & m_x[None, :], other=0.0)
+        if UPCAST:
+            b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
+        b_A += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
+        b_qS += tl.dot(b_q, b_S.to(q.dtype.element_ty).to(b_q.dtype), input_precision=DOT_PREC)
+    p_x = ((i_b * T + o_t[:, None]) * H + i_h) * K + o_x[None, :]  # [BT, BK]
+    b_qx = tl.load(q + p_x, mask=m_t[:, None] & m_x[None, :], other=0.0)
+    b_kx = tl.load(k + p_x, mask=m_t[:, None] & m_x[None, :], other=0.0)
+    p_v = ((i_b * T + o_t[:, None]) * H + i_h) * V + o_v[None, :]  # [BT, BV]
+    b_v = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
+    if UPCAST:
+        b_qx, b_kx, b_v = b_qx.to(tl.float32), b_kx.to(tl.float32), b_v.to(tl.float32)
+    b_AD = (b_A * b_D).to(q.dtype.element_ty).to(b_kx.dtype)
+    b_kt = tl.dot(b_AD, b_kx, input_precision=DOT_PREC) + b_wc[:, None] * b_qS
+    b_kt += ridge * b_qx.to(tl.float32)  # k~[:, x], [BT, BK] fp32
+    b_ktw = (b_kt * b_ws[:, None]).to(q.dtype.element_ty).to(b_v.dtype)
+    b_s = tl.dot(tl.trans(b_ktw), b_v, input_precision=DOT_PREC)  # [BK, BV]
+    p_s = hs + ((i_bh * N + i_n) * K + o_x[:, None]) * V + o_v[None, :]
+    tl.store(p_s, b_s, mask=m_x[:, None] & m_v[None, :])
+
+
+@lazy_jit
+def hla2_fwd_o_kernel(
+    q,  # [B, T, H, K]
+    k,  # [B, T, H, K]
+    v,  # [B, T, H, V]
+    Ss,  # [B, H, N, K, K] fp32: stage-1 state entering each chunk
+    hs,  # [B, H, N, K, V] fp32: stage-2 state entering each chunk
+    g,  # [B, T, H] fp32 (HAS_G)
+    r,  # [B, T] int32 (HAS_R)
+    o,  # [B, T, H, V] fp32
+    ridge,  # float
+    T,
+    H,
+    K,
+    V,
+    N,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_G: tl.constexpr,
+    HAS_R: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Outputs of one chunk, block [BT, BV]: ((q k~^T) * D) v + wc * (q H_in), k~ on chip."""
+    i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_bh = i_bh.to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_i = tl.arange(0, BT)
+    o_t = i_n * BT + o_i
+    m_t = o_t < T
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_D = o_i[:, None] >= o_i[None, :]
+    if HAS_G:
+        b_b = tl.cumsum(tl.load(g + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0), 0)
+    else:
+        b_b = tl.zeros([BT], dtype=tl.float32)
+    b_wc = tl.exp(b_b)
+    if HAS_R:
+        b_c = tl.cumsum(tl.load(r + i_b * T + o_t, mask=m_t, other=0), 0)
+        b_wc = tl.where(b_c == 0, b_wc, 0.0)
+        m_D = m_D & (b_c[:, None] == b_c[None, :])
+    b_D = tl.exp(tl.where(m_D, b_b[:, None] - b_b[None, :], float("-inf")))  # [BT, BT]
+
+    NK = tl.cdiv(K, BK)
+    b_A = tl.zeros([BT, BT], dtype=tl.float32)  # q k^T
+    for i_k in range(NK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        p_qk = ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :]
+        b_q = tl.load(q + p_qk, mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_k = tl.load(k + p_qk, mask=m_t[:, None] & m_k[None, :], other=0.0)
+        if UPCAST:
+            b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
+        b_A += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
+    b_AD = (b_A * b_D).to(q.dtype.element_ty)  # [BT, BT] dot operand
+
+    b_Bm = tl.zeros([BT, BT], dtype=tl.float32)  # q k~^T
+    b_o = tl.zeros([BT, BV], dtype=tl.float32)  # q H_in
+    for i_x in range(NK):
+        o_x = i_x * BK + tl.arange(0, BK)
+        m_x = o_x < K
+        p_x = ((i_b * T + o_t[:, None]) * H + i_h) * K + o_x[None, :]
+        b_qx = tl.load(q + p_x, mask=m_t[:, None] & m_x[None, :], other=0.0)
+        b_kx = tl.load(k + p_x, mask=m_t[:, None] & m_x[None, :], other=0.0)
+        if UPCAST:
+            b_qx, b_kx = b_qx.to(tl.float32), b_kx.to(tl.float32)
+        # k~[:, x] = ((q k^T) * D) k[:, x] + wc * (q S_in)[:, x] + ridge q[:, x]
+        b_qS = tl.zeros([BT, BK], dtype=tl.float32)
+        for i_k in range(NK):
+            o_k = i_k * BK + tl.arange(0, BK)
+            m_k = o_k < K
+            p_qk = ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :]
+            b_q = tl.load(q + p_qk, mask=m_t[:, None] & m_k[None, :], other=0.0)
+            if UPCAST:
+                b_q = b_q.to(tl.float32)
+            p_S = Ss + ((i_bh * N + i_n) * K + o_k[:, None]) * K + o_x[None, :]
+            b_S = tl.load(p_S, mask=m_k[:, None] & m_x[None, :], other=0.0)
+            b_S = b_S.to(q.dtype.element_ty).to(b_q.dtype)
+            b_qS += tl.dot(b_q, b_S, input_precision=DOT_PREC)
+        b_kt = tl.dot(b_AD.to(b_kx.dtype), b_kx, input_precision=DOT_PREC)
+        b_kt += b_wc[:, None] * b_qS + ridge * b_qx.to(tl.float32)
+        b_ktd = b_kt.to(q.dtype.element_ty).to(b_qx.dtype)
+        b_Bm += tl.dot(b_qx, tl.trans(b_ktd), input_precision=DOT_PREC)
+        p_h = hs + ((i_bh * N + i_n) * K + o_x[:, None]) * V + o_v[None, :]  # [BK, BV]
+        b_h = tl.load(p_h, mask=m_x[:, None] & m_v[None, :], other=0.0)
+        b_o += tl.dot(b_qx, b_h.to(q.dtype.element_ty).to(b_qx.dtype), input_precision=DOT_PREC)
+    p_v = ((i_b * T + o_t[:, None]) * H + i_h) * V + o_v[None, :]
+    b_v = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
+    if UPCAST:
+        b_v = b_v.to(tl.float32)
+    b_BD = (b_Bm * b_D).to(q.dtype.element_ty).to(b_v.dtype)
+    b_o = b_o * b_wc[:, None] + tl.dot(b_BD, b_v, input_precision=DOT_PREC)
+    tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+
+
+MAX_FUSED_K = 128  # the sequential program holds a K x K fp32 state
+MODES = ("chunked", "sequential")
 
 
 def fused_hla2_fwd(
@@ -148,23 +347,45 @@ def fused_hla2_fwd(
     H0: torch.Tensor | None,
     ridge: float,
     BT: int,
+    mode: str = "chunked",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward on prepared inputs. Returns o [B, T, H, V], S_T, H_T, all fp32."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    if K > MAX_FUSED_K:
-        raise ValueError(f"fused hla2: expected K <= {MAX_FUSED_K}, got K = {K}")
     N = triton.cdiv(T, BT)
+    o = torch.empty(B, T, H, V, dtype=torch.float32, device=q.device)  # cast by the caller
+    flags = dict(
+        HAS_G=g is not None, HAS_R=resets is not None,
+        DOT_PREC=_dot_precision(q.dtype), UPCAST=_upcast(q.dtype),
+    )
+    if mode == "chunked":
+        BK, BV = _block(K), _block(V)
+        NK, NV = triton.cdiv(K, BK), triton.cdiv(V, BV)
+        Ss, S_T = chunk_states(k, k, g, resets, S0, BT)  # stage-1 states entering each chunk
+        hs = torch.empty(B, H, N, K, V, dtype=torch.float32, device=q.device)
+        hla2_state_kernel[(NK * NV, N, B * H)](
+            q, k, v, Ss, g, resets, hs, float(ridge), T, H, K, V, N,
+            BT=BT, BK=BK, BV=BV, **flags,
+        )
+        H_T = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device)
+        state_passing(hs, g, resets, H0, H_T, T, BT, reverse=False)
+        hla2_fwd_o_kernel[(NV, N, B * H)](
+            q, k, v, Ss, hs, g, resets, o, float(ridge), T, H, K, V, N,
+            BT=BT, BK=BK, BV=BV, **flags,
+        )
+        assert S_T is not None
+        return o, S_T, H_T
+    if mode != "sequential":
+        raise ValueError(f"fused hla2: mode must be one of {MODES}, got {mode!r}")
+    if K > MAX_FUSED_K:
+        raise ValueError(f"fused hla2 (sequential): expected K <= {MAX_FUSED_K}, got K = {K}")
     BK = max(16, triton.next_power_of_2(K))
     BV = _block(V)
-    o = torch.empty(B, T, H, V, dtype=torch.float32, device=q.device)  # cast by the caller
     S_T = torch.empty(B, H, K, K, dtype=torch.float32, device=q.device)
     H_T = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device)
     fused_hla2_fwd_kernel[(triton.cdiv(V, BV), B * H)](
         q, k, v, g, resets, S0, H0, o, S_T, H_T, float(ridge), T, H, K, V, N,
-        BT=BT, BK=BK, BV=BV, HAS_G=g is not None, HAS_R=resets is not None,
-        HAS_S0=S0 is not None, HAS_H0=H0 is not None,
-        DOT_PREC=_dot_precision(q.dtype), UPCAST=_upcast(q.dtype),
+        BT=BT, BK=BK, BV=BV, HAS_S0=S0 is not None, HAS_H0=H0 is not None, **flags,
         # a program holds S (K x K) and H (K x BV) in fp32: more warps, fewer spills
         num_warps=8 if BK > 64 else 4,
     )
@@ -218,8 +439,9 @@ class FusedHLA2Function(torch.autograd.Function):
         H0: torch.Tensor | None,
         ridge: float,
         BT: int,
+        mode: str,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        o, S_T, H_T = fused_hla2_fwd(q, k, v, g, resets, S0, H0, ridge, BT)
+        o, S_T, H_T = fused_hla2_fwd(q, k, v, g, resets, S0, H0, ridge, BT, mode)
         ctx.save_for_backward(q, k, v, g, resets, S0, H0)
         ctx.ridge, ctx.BT = ridge, BT
         ctx.set_materialize_grads(False)
@@ -237,7 +459,7 @@ class FusedHLA2Function(torch.autograd.Function):
             None if dS_T is None else dS_T.float().contiguous(),
             None if dH_T is None else dH_T.float().contiguous(), ctx.BT,
         )
-        return dq, dk, dv, dg, None, dS0, dH0, None, None
+        return dq, dk, dv, dg, None, dS0, dH0, None, None, None
 
 
 def fused_hla2_chunk(
@@ -251,6 +473,7 @@ def fused_hla2_chunk(
     H0: torch.Tensor | None = None,
     ridge: float = 0.0,
     chunk_size: int = 64,
+    mode: str = "chunked",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """hla2 of already-scaled q, fused; the counterpart of the primitive's chunk function.
 
@@ -258,6 +481,7 @@ def fused_hla2_chunk(
         q: [B, T, H, K] scaled; k: [B, T, H, K]; v: [B, T, H, V] (fp32/fp16/bf16).
         g: [B, T, H] log-decay or None; resets: [B, T] bool or None.
         S0: [B, H, K, K], H0: [B, H, K, V] initial states or None.
+        mode: "chunked" (chunk-parallel) or "sequential" (one program walks the chunks).
 
     Returns:
         o [B, T, H, V], S_T [B, H, K, K] and H_T [B, H, K, V], all fp32.
@@ -267,7 +491,11 @@ def fused_hla2_chunk(
         K = q.shape[-1]
         assert S0.shape == (q.shape[0], q.shape[2], K, K), f"S0: got {tuple(S0.shape)}"
         S0 = S0.float().contiguous()
-    return FusedHLA2Function.apply(q, k, v, g, resets, S0, H0, float(ridge), chunk_tile(chunk_size))
+    if mode not in MODES:
+        raise ValueError(f"fused hla2: mode must be one of {MODES}, got {mode!r}")
+    return FusedHLA2Function.apply(
+        q, k, v, g, resets, S0, H0, float(ridge), chunk_tile(chunk_size), mode
+    )
 
 
 def hla2_fused(
@@ -284,13 +512,14 @@ def hla2_fused(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
+    mode: str = "chunked",
 ) -> tuple[torch.Tensor, HLA2State | None]:
-    """:func:`hla_sp.hla2` on the fused kernel (opt-in; single process, no ``sp``).
+    """:func:`hla_sp.hla2` on the fused kernels (opt-in; single process, no ``sp``).
 
     Same keywords and results as ``hla_sp.hla2``. Packed documents (``cu_seqlens``)
     are supported without initial or final states (per-document states are the
     composition's job). Inputs must be on a device Triton runs on (CUDA, or CPU under
-    ``TRITON_INTERPRET=1``).
+    ``TRITON_INTERPRET=1``). ``mode``: "chunked" or "sequential" (module docstring).
     """
     x = validate.check_inputs(
         q, k, v, log_decay=log_decay, scale=scale, cu_seqlens=cu_seqlens, sp=None,
@@ -327,7 +556,8 @@ def hla2_fused(
         if H0 is not None:
             H0 = torch.cat([H0, eta0[..., None].to(H0.dtype)], dim=-1)
     o, S_T, H_T = fused_hla2_chunk(
-        qs, x.k, vv, x.g, resets=resets, S0=S0, H0=H0, ridge=ridge, chunk_size=x.chunk_size
+        qs, x.k, vv, x.g, resets=resets, S0=S0, H0=H0, ridge=ridge, chunk_size=x.chunk_size,
+        mode=mode,
     )
     eta = None
     if normalize:

@@ -32,6 +32,7 @@ def test_bench_gpu_dry_run(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert result["dry_run"] is True
     checks = {(c["op"], c.get("dtype")) for c in result["check"] if c["ok"]}
-    assert len(checks) == len(result["check"]) == 7, result["check"]
-    assert {r["method"] for r in result["timings"]} >= {"la", "hla2", "hla2_fused"}
+    assert len(checks) == len(result["check"]) == 9, result["check"]
+    methods = {"la", "hla2", "hla2_fused", "hla2_fused_seq"}
+    assert {r["method"] for r in result["timings"]} >= methods
     assert all(r["error"] is None and r["ms"] > 0 for r in result["timings"])

@@ -23,6 +23,7 @@ import hla_sp
 H, K, V = 2, 16, 32
 CHUNK = 16
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FUSED = {"chunked": "hla2_fwd_o_kernel", "sequential": "fused_hla2_fwd_kernel"}
 
 
 @pytest.fixture
@@ -94,45 +95,62 @@ def run(fn: object, x: dict, dtype: torch.dtype, **kw: object) -> dict[str, torc
         pytest.param(20, "token", {}, (24, 40), id="T20-K24-V40-blocks"),
     ],
 )
+@pytest.mark.parametrize("mode", ["chunked", "sequential"])
 def test_fused_hla2_fp32(
     kernels: ModuleType, monkeypatch: pytest.MonkeyPatch, T: int, decay: str, opts: dict,
-    dims: tuple[int, int],
+    dims: tuple[int, int], mode: str,
 ) -> None:
     monkeypatch.setattr(kernels.chunk, "BLOCK_CAP", 16 if dims != (K, V) else 64)
     x = inputs(T, decay, seed=T, dims=dims)
     ref = run(hla_sp.hla2, x, torch.float64, **opts)
     torch32 = run(hla_sp.hla2, x, torch.float32, **opts)
-    before = kernels.LAUNCHES["fused_hla2_fwd_kernel"]
-    got = run(kernels.hla2_fused, x, torch.float32, **opts)
-    assert kernels.LAUNCHES["fused_hla2_fwd_kernel"] == before + 1
+    before = kernels.LAUNCHES[FUSED[mode]]
+    got = run(kernels.hla2_fused, x, torch.float32, mode=mode, **opts)
+    assert kernels.LAUNCHES[FUSED[mode]] == before + 1
     assert set(got) == set(ref)
     for name in ref:
         assert_close(name, got[name], torch32[name], ref[name])
 
 
-def test_fused_hla2_varlen(kernels: ModuleType) -> None:
+@pytest.mark.parametrize("mode", ["chunked", "sequential"])
+def test_fused_hla2_varlen(kernels: ModuleType, mode: str) -> None:
     """Packed documents: starts cut both stages' carries (chunk-aligned start at 16)."""
     x = inputs(40, "token", seed=7)
     cu = torch.tensor([0, 5, 16, 40])
     ref = run(hla_sp.hla2, x, torch.float64, cu_seqlens=cu, states=False)
     torch32 = run(hla_sp.hla2, x, torch.float32, cu_seqlens=cu, states=False)
-    before = kernels.LAUNCHES["fused_hla2_fwd_kernel"]
-    got = run(kernels.hla2_fused, x, torch.float32, cu_seqlens=cu, states=False)
-    assert kernels.LAUNCHES["fused_hla2_fwd_kernel"] == before + 1
+    before = kernels.LAUNCHES[FUSED[mode]]
+    got = run(kernels.hla2_fused, x, torch.float32, cu_seqlens=cu, states=False, mode=mode)
+    assert kernels.LAUNCHES[FUSED[mode]] == before + 1
     for name in ref:
         assert_close(name, got[name], torch32[name], ref[name])
     with pytest.raises(NotImplementedError, match="cu_seqlens"):
         kernels.hla2_fused(x["q"], x["k"], x["v"], cu_seqlens=cu, output_final_state=True)
 
 
-def test_fused_hla2_bf16_forward(kernels: ModuleType) -> None:
+def test_fused_hla2_keeps_k_tilde_on_chip(kernels: ModuleType) -> None:
+    """The forward never runs the primitive's output kernel, which is what would write
+    k~ to memory; it launches the fused kernels instead."""
+    x = inputs(20, "token", seed=11)
+    for mode, fused in FUSED.items():
+        before = dict(kernels.LAUNCHES)
+        with torch.no_grad():
+            kernels.hla2_fused(x["q"].float(), x["k"].float(), x["v"].float(), mode=mode)
+        ran = {n for n, c in kernels.LAUNCHES.items() if c > before.get(n, 0)}
+        assert fused in ran and "chunk_fwd_o_kernel" not in ran, (mode, ran)
+    with pytest.raises(ValueError, match="mode"):
+        kernels.hla2_fused(x["q"].float(), x["k"].float(), x["v"].float(), mode="nope")
+
+
+@pytest.mark.parametrize("mode", ["chunked", "sequential"])
+def test_fused_hla2_bf16_forward(kernels: ModuleType, mode: str) -> None:
     """bf16: the relative error in norm stays within 8 unit roundoffs (2^-8 each): the
     output and the stage-1 key k~ are rounded once, the dot operands of both stages
     once more, and k~'s error passes into the output through a second product."""
     x = inputs(33, "token", seed=9)
     xr = {n: t.to(torch.bfloat16).double() for n, t in x.items()}
     ref = run(hla_sp.hla2, xr, torch.float64)
-    got = run(kernels.hla2_fused, x, torch.bfloat16)
+    got = run(kernels.hla2_fused, x, torch.bfloat16, mode=mode)
     assert got["o"].dtype == torch.bfloat16
     for name in ("o", "S", "H"):
         err = ((got[name].double() - ref[name]).norm() / ref[name].norm()).item()
