@@ -27,9 +27,10 @@ METHODS = ("allgather", "ring", "tree")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Fields of the per-rank metadata row, in order; names appear in error messages.
 _FIELDS = (
-    "B", "H", "K", "V", "dtype", "layout", "method", "op/options",
+    "B", "H", "K", "V", "dtype", "layout", "method", "operator", "options",
     "cu_seqlens", "grad mode", "local T",
 )
+_OPS = ("linear_attention", "hla2", "ahla", "hla3")
 
 
 def _hash63(data: bytes) -> int:
@@ -120,7 +121,8 @@ class SequenceParallel:
             _DTYPES.index(inputs.q.dtype),
             LAYOUTS.index(self.layout),
             METHODS.index(self.method),
-            _hash63(repr((op, tuple(options))).encode()),
+            _OPS.index(op) if op in _OPS else _hash63(op.encode()),
+            _hash63(repr(tuple(options)).encode()),
             -1 if cu_key is None else _hash63(repr(cu_key).encode()),
             int(torch.is_grad_enabled()),
             inputs.T,
@@ -149,8 +151,9 @@ class SequenceParallel:
                     f"zigzag layout needs the same even local T on every rank, got {lengths}"
                 )
         if problems:
+            # The same text on every rank: it is built from the gathered table only.
             raise ValueError(
-                f"SequenceParallel({self.layout}, {self.method}) call of {op}: ranks disagree: "
+                "SequenceParallel: the ranks of the group disagree on this call: "
                 + "; ".join(problems)
             )
         needs_grad = torch.is_grad_enabled()
@@ -195,6 +198,8 @@ def _show(name: str, v: int) -> str:
         return repr(METHODS[v])
     if name == "cu_seqlens":
         return "None" if v == -1 else f"hash {v:x}"
-    if name == "op/options":
+    if name == "operator":
+        return repr(_OPS[v]) if 0 <= v < len(_OPS) else f"hash {v:x}"
+    if name == "options":
         return f"hash {v:x}"
     return str(v)
