@@ -12,15 +12,36 @@ import torch
 
 
 def peak_memory_bytes() -> int:
-    """Peak memory of this process: CUDA's allocator peak on GPU, peak RSS on CPU.
+    """Peak memory of this process since :func:`reset_peak_memory`: CUDA's allocator peak
+    on GPU, the resident-set high-water mark (VmHWM) on CPU.
 
-    On CPU the figure includes the interpreter, torch and megatron (several hundred
-    MiB); compare runs against each other, not against tensor sizes alone.
+    On CPU the figure includes the interpreter, torch and megatron (about half a GiB);
+    compare runs against each other, not against tensor sizes alone.
     """
     if torch.cuda.is_available():
         return int(torch.cuda.max_memory_allocated())
-    # ru_maxrss is KiB on Linux
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    # elsewhere: the lifetime peak (ru_maxrss is KiB on Linux, bytes on macOS)
+    scale = 1 if sys.platform == "darwin" else 1024
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * scale
+
+
+def reset_peak_memory() -> None:
+    """Start a new peak (so that one process can measure several runs in turn)."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        return
+    try:  # Linux: "5" resets the resident-set high-water mark
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def current_rss_bytes() -> int:

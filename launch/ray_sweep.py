@@ -1,10 +1,10 @@
 """Scaling experiments with Ray Train: ``hla-sp sweep CONFIG`` (JSON or TOML).
 
-For each point of the grid (world size P) x (sequence length T), Ray Train's
-``TorchTrainer`` starts P workers with ``ScalingConfig(num_workers=P, use_gpu=...)``;
-Ray creates the process group, and each worker runs this project's trainer
-(:func:`hla_sp.launch.train.run`) with context parallelism over all P ranks unless the
-config says otherwise. The sweep collects tokens/s, step time, per-rank peak memory
+For each world size P, Ray Train's ``TorchTrainer`` starts P workers with
+``ScalingConfig(num_workers=P, use_gpu=...)``; Ray creates the process group, and the
+workers run this project's trainer (:func:`hla_sp.launch.train.run`) once per sequence
+length T, with context parallelism over all P ranks unless the config says otherwise
+(peak memory is reset between runs). The sweep collects tokens/s, step time, per-rank peak memory
 and loss, and writes ``results.json``, ``results.csv``, ``throughput_vs_p.png`` and
 ``memory_vs_seq.png`` to the output directory.
 
@@ -105,36 +105,40 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
-    """Runs in each Ray worker: the trainer over Ray's process group."""
+    """Runs in each Ray worker: the trainer over Ray's process group, once per sequence
+    length (the workers start once per P; each run resets the peak-memory mark)."""
     import ray.train
     from hla_sp.launch.train import run
 
-    records = run(TrainConfig.from_dict(config["trainer"]), exit_on_error=False)
-    summary = summarize(records)
-    ray.train.report(summary)  # a barrier over the workers; rank 0's copy is kept
-    return summary
+    summaries = {}
+    for point in config["points"]:
+        records = run(TrainConfig.from_dict(point), exit_on_error=False)
+        summaries[str(point["seq_length"])] = summarize(records)
+    ray.train.report({"points": summaries})  # a barrier over the workers
+    return summaries
 
 
-def _run_point(cfg: TrainConfig, world_size: int, use_gpu: bool, storage: str) -> dict[str, Any]:
+def _run_world_size(
+    cfgs: list[TrainConfig], world_size: int, use_gpu: bool, storage: str
+) -> dict[str, dict[str, Any]]:
+    """One TorchTrainer with P workers over all sequence lengths; seq_length -> summary."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     trainer = TorchTrainer(
         _train_loop_per_worker,
-        train_loop_config={"trainer": cfg.to_dict()},
+        train_loop_config={"points": [c.to_dict() for c in cfgs]},
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ScalingConfig(
             num_workers=world_size, use_gpu=use_gpu, resources_per_worker={"CPU": 1}
         ),
-        run_config=RunConfig(
-            name=f"p{world_size}_t{cfg.seq_length}_{int(time.time())}", storage_path=storage
-        ),
+        run_config=RunConfig(name=f"p{world_size}_{int(time.time())}", storage_path=storage),
     )
     result = trainer.fit()
-    summary = getattr(result, "return_value", None) or result.metrics
-    if not summary:
-        raise RuntimeError(f"point P={world_size} T={cfg.seq_length} returned no metrics")
-    return dict(summary)
+    summaries = getattr(result, "return_value", None) or (result.metrics or {}).get("points")
+    if not summaries:
+        raise RuntimeError(f"P={world_size}: the workers returned no metrics")
+    return dict(summaries)
 
 
 def write_outputs(rows: list[dict[str, Any]], out_dir: str) -> list[str]:
@@ -202,26 +206,32 @@ def sweep(config_path: str, output_dir: str | None = None) -> list[dict[str, Any
     ray.init(include_dashboard=False, log_to_driver=True, **ray_args)
     rows: list[dict[str, Any]] = []
     try:
-        for p, t, cfg in points:
-            row: dict[str, Any] = {
-                "world_size": p,
-                "cp": cfg.context_parallel_size,
-                "seq_length": t,
-            }
-            print(f"[sweep] P={p} T={t:,} ...", flush=True)
+        for p in sweep_cfg["world_sizes"]:
+            # ascending T: a point that runs out of memory ends only the longer ones
+            mine = sorted((c for q, _, c in points if q == p), key=lambda c: c.seq_length)
+            print(f"[sweep] P={p}: T in {[c.seq_length for c in mine]} ...", flush=True)
             try:
-                row.update(_run_point(cfg, p, use_gpu, os.path.join(out, "ray_results")))
-                row["status"] = "ok"
-                print(
-                    f"[sweep] P={p} T={t:,}: {row['tokens_per_s']:,.0f} tok/s, step "
-                    f"{row['step_time_s']:.2f} s, peak {row['peak_mem_bytes_max'] / 2**30:.2f} GiB"
-                    f"/rank, loss {row['loss_first']:.3f} -> {row['loss_last']:.3f}",
-                    flush=True,
-                )
-            except Exception as e:  # one failed point (e.g. out of memory) does not end the grid
-                row.update(status="failed", error=f"{type(e).__name__}: {e}"[:2000])
-                print(f"[sweep] P={p} T={t:,} failed: {row['error'][:300]}", flush=True)
-            rows.append(row)
+                got = _run_world_size(mine, p, use_gpu, os.path.join(out, "ray_results"))
+                error = None
+            except Exception as e:  # a failed P (e.g. out of memory) does not end the grid
+                got, error = {}, f"{type(e).__name__}: {e}"[:2000]
+                print(f"[sweep] P={p} failed: {error[:300]}", flush=True)
+            for c in mine:
+                t = c.seq_length
+                row: dict[str, Any] = {"world_size": p, "cp": c.context_parallel_size}
+                row["seq_length"] = t
+                if str(t) in got:
+                    row.update(got[str(t)], status="ok")
+                    print(
+                        f"[sweep] P={p} T={t:,}: {row['tokens_per_s']:,.0f} tok/s, step "
+                        f"{row['step_time_s']:.2f} s, peak "
+                        f"{row['peak_mem_bytes_max'] / 2**30:.2f} GiB/rank, loss "
+                        f"{row['loss_first']:.3f} -> {row['loss_last']:.3f}",
+                        flush=True,
+                    )
+                else:
+                    row.update(status="failed", error=error or "no result")
+                rows.append(row)
     finally:
         ray.shutdown()
     for path in write_outputs(rows, out):

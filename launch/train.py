@@ -293,6 +293,7 @@ def run(
     topo = init_distributed(
         cfg.tensor_model_parallel_size, cfg.context_parallel_size, cfg.distributed_timeout_minutes
     )
+    metrics.reset_peak_memory()  # count this run: model, optimizer, activations
     heartbeat = faults.Heartbeat(topo.rank)
     faults.install_sigterm_handler()
     try:

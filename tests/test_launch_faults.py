@@ -1,0 +1,44 @@
+"""A dead or hung rank ends the run non-zero within a bounded time, naming the rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hla_sp.launch.local import run_local
+
+TINY = [
+    "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--seq-length", "64", "--train-iters", "50", "--context-parallel-size", "2",
+]  # fmt: skip
+
+
+def test_killed_rank_ends_the_others_with_its_name(tmp_path: Path) -> None:
+    # rank 1 is SIGKILLed at the start of iteration 3; nothing else is wrong
+    run = run_local(
+        [*TINY, "--distributed-timeout-minutes", "5"],
+        2,
+        str(tmp_path / "m.jsonl"),
+        env={"HLA_SP_FAULT": "1:3:kill"},
+        timeout=240,  # the process-group timeout (5 min) is not what ends it
+    )
+    assert run.returncode != 0
+    assert [r["iteration"] for r in run.records] == [1, 2]
+    # the survivor saw its peer vanish and says which one
+    assert "[hla-sp] rank 0/2: training stopped by" in run.output, run.output[-3000:]
+    assert "rank(s) 1 (last finished iteration 2) stopped responding" in run.output
+    # and torchrun's own summary names the dead rank as the root cause
+    assert "rank      : 1" in run.output
+
+
+def test_hung_rank_ends_the_others_after_the_group_timeout(tmp_path: Path) -> None:
+    run = run_local(
+        [*TINY, "--distributed-timeout-minutes", "0.1"],  # 6 s
+        2,
+        str(tmp_path / "m.jsonl"),
+        env={"HLA_SP_FAULT": "1:3:hang"},
+        timeout=240,
+    )
+    assert run.returncode != 0
+    assert "Timed out" in run.output or "timeout" in run.output.lower()
+    assert "rank(s) 1 (finished iteration 2, now at faults.py" in run.output, run.output[-3000:]
+    assert "stuck outside the collective" in run.output
