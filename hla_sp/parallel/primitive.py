@@ -34,6 +34,9 @@ if TYPE_CHECKING:
     from hla_sp.parallel.config import SequenceParallel
 
 CARRY = -1  # a segment whose carry-in comes from the earlier pieces
+# Benchmark knob: False waits for the exchange before computing the local outputs,
+# which measures how much of the exchange the overlap hides. Always True in use.
+OVERLAP = True
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,9 @@ def sp_primitive(
 
     # 2. The exchange starts ...
     pending = exchange.start(sp.method, plan, shape, Xs.detach())
+    carries = None
+    if not OVERLAP:
+        carries = exchange.scan(plan, shape, sp.method, Xs, pending, (q, k, v, g))
 
     # 3. ... while the zero-state outputs are computed.
     outs = []
@@ -162,7 +168,8 @@ def sp_primitive(
         outs.append(o)
 
     # 4. Carries: add their terms to the tokens before each piece's first start.
-    carries = exchange.scan(plan, shape, sp.method, Xs, pending, (q, k, v, g))
+    if carries is None:
+        carries = exchange.scan(plan, shape, sp.method, Xs, pending, (q, k, v, g))
     carry_h = S.unpack(shape, carries)[0]  # [n, B, H, K, V]
     for j, ((qp, _, _, gp), sg) in enumerate(zip(views, segs)):
         if sg and sg[0].source == CARRY:

@@ -1,0 +1,165 @@
+"""Shared tasks of the sequence-parallel benchmarks (CPU, gloo, hla_sp.testing.World).
+
+Each task is a module-level function ``fn(rank, world_size, ...)`` run on every rank;
+the bench_sp_*.py scripts start worlds, run these tasks and write JSON + PNG into
+benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import hla_sp
+from hla_sp.parallel import SequenceParallel, reset_traffic, shard, traffic
+from hla_sp.parallel import primitive as sp_primitive_module
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def save(name: str, data: dict[str, Any]) -> Path:
+    """Write benchmarks/results/<name>.json and return its path."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    data = {"python": sys.version.split()[0], "torch": torch.__version__, **data}
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
+
+
+def global_inputs(T: int, H: int, K: int, V: int, seed: int = 0, decay: float = 0.02):
+    """Seeded global q, k, v [1, T, H, *] and a per-head log-decay [H] (same on every rank)."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, T, H, d, generator=gen) for d in (K, K, V))
+    g = -decay * (1 + torch.rand(H, generator=gen))
+    return q, k, v, g
+
+
+def _layer(q, k, v, g, sp, normalize=False):
+    o, _ = hla_sp.hla2(q, k, v, log_decay=g, sp=sp, normalize=normalize)
+    return o
+
+
+def _fwd_bwd(q, k, v, g, sp, w) -> None:
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+    o = _layer(*leaves, g, sp)
+    (o * w).sum().backward()
+
+
+def traffic_task(rank: int, P: int, T: int, H: int, K: int, V: int, method: str,
+                 layout: str) -> dict[str, int]:
+    """Bytes this rank sends for one hla2 layer, forward + backward."""
+    q, k, v, g = global_inputs(T, H, K, V)
+    q, k, v = (shard(x, rank, P, layout) for x in (q, k, v))
+    sp = SequenceParallel(layout=layout, method=method)
+    reset_traffic()
+    _fwd_bwd(q, k, v, g, sp, torch.ones(1, q.shape[1], H, V))
+    return traffic()
+
+
+def _barrier_time(fn) -> float:
+    """Wall time of ``fn`` on this rank, between two barriers."""
+    dist.barrier()
+    t = time.perf_counter()
+    fn()
+    dt = time.perf_counter() - t
+    dist.barrier()
+    return dt
+
+
+def timing_task(rank: int, P: int, T_local: int, H: int, K: int, V: int,
+                methods: list[str], reps: int) -> dict[str, Any]:
+    """Per method: sharded hla2 time vs the single-rank time on the same T/P tokens.
+
+    The single-rank baseline runs on every rank at the same moment, so it meets the
+    same CPU contention as the sharded call. Forward-only times are taken with and
+    without overlap, and the exchange alone is timed on the same summaries.
+    """
+    T = T_local * P
+    q, k, v, g = global_inputs(T, H, K, V)
+    q, k, v = (shard(x, rank, P) for x in (q, k, v))
+    w = torch.randn(1, T_local, H, V)
+    out: dict[str, Any] = {}
+
+    def median(fn) -> float:
+        fn()  # warm-up
+        return statistics.median(_barrier_time(fn) for _ in range(reps))
+
+    with torch.no_grad():
+        out["local_fwd"] = median(lambda: _layer(q, k, v, g, None))
+    out["local_fwd_bwd"] = median(lambda: _fwd_bwd(q, k, v, g, None, w))
+    for method in methods:
+        sp = SequenceParallel(method=method)
+        r: dict[str, float] = {}
+        r["fwd_bwd"] = median(lambda sp=sp: _fwd_bwd(q, k, v, g, sp, w))
+        with torch.no_grad():
+            r["fwd"] = median(lambda sp=sp: _layer(q, k, v, g, sp))
+            sp_primitive_module.OVERLAP = False
+            try:
+                r["fwd_no_overlap"] = median(lambda sp=sp: _layer(q, k, v, g, sp))
+            finally:
+                sp_primitive_module.OVERLAP = True
+            r["exchange_alone"] = median(lambda sp=sp: _exchange_only(sp, q, k, v))
+        out[method] = r
+    return out
+
+
+def _exchange_only(sp: SequenceParallel, q, k, v) -> None:
+    """The two summary exchanges of an hla2 forward, with no local work between."""
+    from hla_sp.ops.validate import check_inputs
+    from hla_sp.parallel import exchange
+    from hla_sp.parallel import summaries as S
+
+    x = check_inputs(q, k, v, log_decay=None, scale=None, cu_seqlens=None, sp=sp, chunk_size=64)
+    sp.check_call(x, op="hla2", options=(False, 0.0, 1e-6))
+    plan = sp._plan
+    B, _, H, K = q.shape
+    for Vd in (K, v.shape[-1]):
+        shape = S.SummaryShape(B, H, K, Vd)
+        X = torch.zeros(len(plan.own), shape.size)
+        exchange.start(sp.method, plan, shape, X).wait()
+
+
+def maxrss_mib() -> float:
+    """Peak resident set size of this process so far, MiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def memory_task(rank: int, P: int, T_local: int, H: int, K: int, V: int,
+                sharded: bool) -> dict[str, float]:
+    """Peak RSS growth of one hla2 fwd+bwd on this rank (run in a fresh world)."""
+    T = T_local * P
+    sp = SequenceParallel() if sharded else None
+    q0, k0, v0, g = global_inputs(64 * P, H, K, V)  # warm-up: load kernels and libraries
+    _fwd_bwd(*(shard(x, rank, P) for x in (q0, k0, v0)), g, sp, 1.0)
+    q, k, v, g = global_inputs(T, H, K, V)
+    if sharded:
+        q, k, v = (shard(x, rank, P).clone() for x in (q, k, v))
+    before = maxrss_mib()
+    _fwd_bwd(q, k, v, g, sp, 1.0)
+    return {"before_mib": before, "peak_mib": maxrss_mib(), "tokens": q.shape[1]}
+
+
+def million_task(rank: int, P: int, T: int, H: int, K: int, V: int, chunk: int) -> dict:
+    """One hla2 layer fwd+bwd over P ranks; returns this rank's outputs, grads, time, RSS."""
+    q, k, v, g = global_inputs(T, H, K, V)
+    w = torch.randn(1, T, H, V, generator=torch.Generator().manual_seed(1))
+    q, k, v, w = (shard(x, rank, P).clone() for x in (q, k, v, w))
+    sp = SequenceParallel()
+    before = maxrss_mib()
+    leaves = [x.requires_grad_(True) for x in (q, k, v)]
+    dist.barrier()
+    t = time.perf_counter()
+    o, _ = hla_sp.hla2(*leaves, log_decay=g, sp=sp, chunk_size=chunk)
+    t_fwd = time.perf_counter() - t
+    (o * w).sum().backward()
+    dt = time.perf_counter() - t
+    return {"time_s": dt, "fwd_s": t_fwd, "rss_before_mib": before, "rss_peak_mib": maxrss_mib(),
+            "o": o.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
