@@ -494,11 +494,20 @@ class HLAHeads(nn.Module):
                 raise ValueError(f"{name}: expected [B, T, {self.num_kv_heads}, "
                                  f"{self.head_dim}], got {tuple(x.shape)}")
         log_decay = self.log_decay(k)
-        cdt = compute_dtype(q.dtype)  # fp32, or fp64 for fp64 inputs
+        for name, x in (("k", k), ("v", v)):
+            if x.dtype != q.dtype:
+                raise TypeError(f"{name}: expected dtype {q.dtype} (the dtype of q), "
+                                f"got {x.dtype}")
+        # Everything between the projections runs in the compute dtype (fp32, or fp64
+        # for fp64 inputs) and is rounded once, at the output: the operators accumulate
+        # in it anyway, and normalised q, k are not rounded back to bf16 first.
+        in_dtype = q.dtype
+        cdt = compute_dtype(in_dtype)
+        q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
         if self.qk_norm:
             # L2 per head: |q.k| <= 1, so no power of t in S, H can come from key size.
-            q = F.normalize(q.to(cdt), dim=-1).to(q.dtype)
-            k = F.normalize(k.to(cdt), dim=-1).to(k.dtype)
+            q = F.normalize(q, dim=-1)
+            k = F.normalize(k, dim=-1)
         o, state = grouped_operator(
             self.operator, q, k, v, log_decay=log_decay, normalize=self.normalize,
             eps=self.eps, ridge=self.ridge, scale=self.scale, initial_state=initial_state,
@@ -506,11 +515,12 @@ class HLAHeads(nn.Module):
             chunk_size=self.chunk_size if chunk_size is None else chunk_size,
         )
         if self.output_norm:
-            # Per-head RMSNorm in fp32: HLA outputs grow with context (a power of t
-            # without decay); the norm removes the scale, the gain learns it back.
-            of = o.to(cdt)
-            of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.norm_eps)
-            o = (of * self.norm_weight.to(cdt)).to(o.dtype)
+            # Per-head RMSNorm: HLA outputs grow with context (a power of t without
+            # decay) and with the head's window; the norm removes the scale, the gain
+            # learns it back.
+            o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps)
+            o = o * self.norm_weight.to(cdt)
+        return o.to(in_dtype), state
         return o, state
 
 
