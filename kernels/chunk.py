@@ -28,7 +28,9 @@ exp(A_dest - A_src) * (...), so
 The h0 terms need nothing extra: exp(A_t) q_t^T h0 is inside q_t . dq_t, and
 exp(A_T) h0 is inside <dh_T, h_T>.
 
-Every offset is int64 (B*T*H*K passes 2^31 at a million tokens). States and
+Every offset is int64 (B*T*H*K passes 2^31 at a million tokens), and the chunk index
+is on grid axis 0, which CUDA allows up to 2^31 - 1 (axes 1 and 2, holding the K/V
+blocks and B*H, stop at 65535; at 64 tokens a chunk that would be 4M tokens). States and
 accumulators are fp32; fp16/bf16 operands are fed to ``tl.dot`` in their own dtype
 with fp32 accumulation, as fla does. fp32 inputs use IEEE fp32 dots unless
 ``torch.get_float32_matmul_precision()`` allows TF32, mirroring torch's own matmul.
@@ -74,7 +76,7 @@ def chunk_state_kernel(
     CARRY=False: the chunk's state from zero, s_n = (k * ws)^T v.
     CARRY=True: the chunk's gradient to its incoming state, u_n = (q * wc)^T do.
     """
-    i_xy, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_xy, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NY = tl.cdiv(DY, BY)
     i_x, i_y = i_xy // NY, i_xy % NY
     i_bh = i_bh.to(tl.int64)
@@ -205,7 +207,7 @@ def chunk_fwd_o_kernel(
     UPCAST: tl.constexpr,
 ):
     """Outputs of one chunk, one [BT, BV] block: ((q k^T) * D) v + wc * (q h_in)."""
-    i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_bh = i_bh.to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     o_i = tl.arange(0, BT)
@@ -274,7 +276,7 @@ def chunk_bwd_dv_kernel(
     UPCAST: tl.constexpr,
 ):
     """dv_j = sum_t D[t, j] (q_t . k_j) do_t + ws_j (k_j^T dh_n), one [BT, BV] block."""
-    i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_bh = i_bh.to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     o_i = tl.arange(0, BT)
@@ -352,7 +354,7 @@ def chunk_bwd_dqk_kernel(
     dq_t = sum_j D[t, j] (do_t . v_j) k_j + wc_t (h_in do_t)
     dk_j = sum_t D[t, j] (do_t . v_j) q_t + ws_j (dh_n v_j)
     """
-    i_k, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_bh = i_bh.to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     o_i = tl.arange(0, BT)
@@ -526,7 +528,7 @@ def chunk_states(
     BK, BV = _block(K), _block(V)
     NK, NV = triton.cdiv(K, BK), triton.cdiv(V, BV)
     hs = torch.empty(B, H, N, K, V, dtype=torch.float32, device=k.device)
-    chunk_state_kernel[(NK * NV, N, B * H)](
+    chunk_state_kernel[(N, NK * NV, B * H)](
         k, v, g, resets, hs, T, H, K, V, N,
         BT=BT, BX=BK, BY=BV, CARRY=False, HAS_G=g is not None, HAS_R=resets is not None,
         DOT_PREC=_dot_precision(k.dtype), UPCAST=_upcast(k.dtype),
@@ -556,7 +558,7 @@ def chunk_fwd(
     hs, h_last = chunk_states(k, v, g, resets, h0, BT)
     o = torch.empty(B, T, H, V, dtype=torch.float32, device=q.device)  # as the torch path
     BK, BV = _block(K), _block(V)
-    chunk_fwd_o_kernel[(triton.cdiv(V, BV), N, B * H)](
+    chunk_fwd_o_kernel[(N, triton.cdiv(V, BV), B * H)](
         q, k, v, hs, g, resets, o, T, H, K, V, N,
         BT=BT, BK=BK, BV=BV, HAS_G=g is not None, HAS_R=resets is not None,
         DOT_PREC=_dot_precision(q.dtype), UPCAST=_upcast(q.dtype),
@@ -596,7 +598,7 @@ def chunk_bwd(
     hs, h_last = chunk_states(k, v, g, resets, h0, BT, store_last=HAS_G and dht is not None)
     # Gradients of the states: per chunk u_n = (q * wc)^T do, then the reverse pass.
     dhs = torch.empty(B, H, N, K, V, dtype=torch.float32, device=q.device)
-    chunk_state_kernel[(NK * NV, N, B * H)](
+    chunk_state_kernel[(N, NK * NV, B * H)](
         q, do, g, resets, dhs, T, H, K, V, N,
         BT=BT, BX=BK, BY=BV, CARRY=True, HAS_G=HAS_G, HAS_R=HAS_R,
         DOT_PREC=prec, UPCAST=_upcast(q.dtype),
@@ -606,11 +608,11 @@ def chunk_bwd(
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dv = torch.empty_like(v)
     dA = torch.empty(NK, B, T, H, dtype=torch.float32, device=q.device) if HAS_G else None
-    chunk_bwd_dv_kernel[(NV, N, B * H)](
+    chunk_bwd_dv_kernel[(N, NV, B * H)](
         q, k, do, dhs, g, resets, dv, T, H, K, V, N,
         BT=BT, BK=BK, BV=BV, HAS_G=HAS_G, HAS_R=HAS_R, DOT_PREC=prec, UPCAST=_upcast(q.dtype),
     )
-    chunk_bwd_dqk_kernel[(NK, N, B * H)](
+    chunk_bwd_dqk_kernel[(N, NK, B * H)](
         q, k, v, do, hs, dhs, g, resets, dq, dk, dA, T, H, K, V, N,
         BT=BT, BK=BK, BV=BV, HAS_G=HAS_G, HAS_R=HAS_R, DOT_PREC=prec, UPCAST=_upcast(q.dtype),
     )

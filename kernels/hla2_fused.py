@@ -177,7 +177,7 @@ def hla2_state_kernel(
     UPCAST: tl.constexpr,
 ):
     """Stage-2 state of one chunk, block [BK (x), BV]: (k~[:, x] * ws)^T v, k~ on chip."""
-    i_xv, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_xv, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NV = tl.cdiv(V, BV)
     i_x, i_v = i_xv // NV, i_xv % NV
     i_bh = i_bh.to(tl.int64)
@@ -261,7 +261,7 @@ def hla2_fwd_o_kernel(
     UPCAST: tl.constexpr,
 ):
     """Outputs of one chunk, block [BT, BV]: ((q k~^T) * D) v + wc * (q H_in), k~ on chip."""
-    i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_bh = i_bh.to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     o_i = tl.arange(0, BT)
@@ -363,13 +363,13 @@ def fused_hla2_fwd(
         NK, NV = triton.cdiv(K, BK), triton.cdiv(V, BV)
         Ss, S_T = chunk_states(k, k, g, resets, S0, BT)  # stage-1 states entering each chunk
         hs = torch.empty(B, H, N, K, V, dtype=torch.float32, device=q.device)
-        hla2_state_kernel[(NK * NV, N, B * H)](
+        hla2_state_kernel[(N, NK * NV, B * H)](
             q, k, v, Ss, g, resets, hs, float(ridge), T, H, K, V, N,
             BT=BT, BK=BK, BV=BV, **flags,
         )
         H_T = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device)
         state_passing(hs, g, resets, H0, H_T, T, BT, reverse=False)
-        hla2_fwd_o_kernel[(NV, N, B * H)](
+        hla2_fwd_o_kernel[(N, NV, B * H)](
             q, k, v, Ss, hs, g, resets, o, float(ridge), T, H, K, V, N,
             BT=BT, BK=BK, BV=BV, **flags,
         )
