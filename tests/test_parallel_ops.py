@@ -56,7 +56,7 @@ def matrix(P: int, T: int = 24) -> list[dict]:
             op, T=T, method=method, layout=layout, lengths=lengths, decay=next(decays),
             cu=_docs(P, T, layout) if varlen else None, B=1 if varlen else 2,
             h0=i % 2 == 0, final=i % 4 != 3, normalize=op == "hla2" and i % 2 == 0,
-            seed=i,
+            ridge=0.3 if op == "hla2" and i % 3 == 0 else 0.0, seed=i,
         ))
     # fp32: one case per method, varlen with state and decay, compared against fp64 truth.
     for j, method in enumerate(METHODS):

@@ -66,7 +66,15 @@ class SequenceParallel:
     """Sequence parallelism over a process group, passed as ``sp=`` to every operator.
 
     Each rank passes its local shard [B, T_local, H, *]; ``cu_seqlens`` and
-    ``initial_state`` are global and the same on every rank.
+    ``initial_state`` are global and the same on every rank, and so must be
+    ``output_final_state`` (it decides whether the final states are all-reduced).
+
+    Gradients follow "the global loss is the sum of the ranks' losses": a replicated
+    input (``initial_state``, a per-head ``log_decay``) gets on each rank the part of
+    its gradient that flows from that rank, and the sum over ranks (what a gradient
+    all-reduce computes) is the single-process gradient; a replicated output (the
+    final state) passes back the sum of every rank's gradient of it. Under grad mode
+    every call builds its backward collectives, so every rank must call backward.
     """
 
     group: dist.ProcessGroup | None = None
