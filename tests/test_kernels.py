@@ -262,6 +262,21 @@ def test_small_chunk_and_no_final_grad(interp: SimpleNamespace) -> None:
         torch.testing.assert_close(a.grad.double(), b.grad, rtol=1e-5, atol=1e-5)
 
 
+def test_final_state_loss_only(interp: SimpleNamespace) -> None:
+    """A loss on h_T alone (the output's gradient is None in the backward)."""
+    x = make_inputs(1, 24, "token", seed=9)
+    names = ("q", "k", "v", "g", "h0")
+    tri = [x[n].float().requires_grad_() for n in names]
+    ref = [x[n].clone().requires_grad_() for n in names]
+    before = launches()
+    (interp.fn(*tri[:4], h0=tri[4], chunk_size=CHUNK)[1] * x["dht"].float()).sum().backward()
+    assert launches() > before
+    (chunk_linear_attention(*ref[:4], h0=ref[4], chunk_size=CHUNK)[1] * x["dht"]).sum().backward()
+    for n, a, b in zip(names, tri, ref):
+        want = torch.zeros_like(b) if b.grad is None else b.grad  # q does not reach h_T
+        torch.testing.assert_close(a.grad.double(), want, rtol=1e-5, atol=1e-5, msg=n)
+
+
 def test_triton_unavailable_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     """Forcing Triton on CPU without the interpreter, or for fp64, raises; never falls back."""
     from hla_sp.kernels import chunk_linear_attention_triton
