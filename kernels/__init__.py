@@ -1,7 +1,17 @@
 """Triton kernels of hla-sp (imported as ``hla_sp.kernels``).
 
-Importing this package needs triton but touches no GPU driver: kernels are jitted on
-their first launch (see :mod:`hla_sp.kernels._jit`).
+- :mod:`~hla_sp.kernels.chunk`: the primitive (decayed causal linear attention) as
+  chunk_state -> state_passing -> chunk output kernels, the backward kernels,
+  :class:`ChunkLinearAttentionFunction` and :func:`chunk_linear_attention_triton`,
+  which :mod:`hla_sp.ops.dispatch` selects for CUDA tensors.
+- :mod:`~hla_sp.kernels.hla2_fused`: second-order HLA with k~ = S q kept on chip,
+  opt-in through :func:`hla2_fused` until a GPU benchmark decides
+  (benchmarks/gpu_check.sh).
+- :mod:`~hla_sp.kernels._jit`: kernels are jitted on first launch, so importing this
+  package touches no GPU driver, and :data:`LAUNCHES` counts launches per kernel.
+
+On CPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``), which is
+how the tests exercise them.
 """
 
 from ._jit import LAUNCHES, interpreting
