@@ -232,3 +232,14 @@ def test_final_state_dtype_is_fp32_for_bf16_inputs():
     o, st = hla_sp.hla2(q, k, v, log_decay=g, output_final_state=True)
     assert o.dtype == torch.bfloat16
     assert st.S.dtype == torch.float32 and st.H.dtype == torch.float32
+
+
+def test_chunk_path_on_an_empty_shard_passes_the_carry_through():
+    """Sequence parallelism can hand a rank zero tokens; the chunk path must cope."""
+    from hla_sp.ops.chunk import chunk_linear_attention
+
+    h0 = torch.randn(2, 3, 4, 5, dtype=torch.float64)
+    empty = torch.zeros(2, 0, 3, 4, dtype=torch.float64)
+    o, h = chunk_linear_attention(empty, empty, empty[..., :1].expand(2, 0, 3, 5), None, h0=h0)
+    assert o.shape == (2, 0, 3, 5)
+    assert torch.equal(h, h0)

@@ -61,6 +61,9 @@ def chunk_linear_attention(
     N = -(-T // C)
     pad = N * C - T
     cdt = compute_dtype(q.dtype)
+    if T == 0:  # an empty shard: no outputs, and the carry passes through unchanged
+        h = torch.zeros(B, H, K, V, dtype=cdt, device=q.device) if h0 is None else h0.to(cdt)
+        return q.new_zeros(B, 0, H, V, dtype=cdt), h
     q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
     g = torch.zeros(B, T, H, dtype=cdt, device=q.device) if g is None else g.to(cdt)
     if pad:
