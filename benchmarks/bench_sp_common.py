@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import resource
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch.distributed as dist
 import hla_sp
 from hla_sp.parallel import SequenceParallel, reset_traffic, shard, traffic
 from hla_sp.parallel import primitive as sp_primitive_module
+from hla_sp.parallel.exchange import blocked_seconds
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -79,36 +79,53 @@ def timing_task(rank: int, P: int, T_local: int, H: int, K: int, V: int,
     """Per method: sharded hla2 time vs the single-rank time on the same T/P tokens.
 
     The single-rank baseline runs on every rank at the same moment, so it meets the
-    same CPU contention as the sharded call. Forward-only times are taken with and
-    without overlap, and the exchange alone is timed on the same summaries.
+    same CPU contention as the sharded call, and all configurations are interleaved
+    rep by rep so that drifting load hits them alike. Forward-only times are taken
+    with and without overlap, and the exchange alone on the same summaries.
+    Returns, per configuration, the list of this rank's times.
     """
     T = T_local * P
     q, k, v, g = global_inputs(T, H, K, V)
     q, k, v = (shard(x, rank, P) for x in (q, k, v))
     w = torch.randn(1, T_local, H, V)
-    out: dict[str, Any] = {}
 
-    def median(fn) -> float:
-        fn()  # warm-up
-        return statistics.median(_barrier_time(fn) for _ in range(reps))
+    def no_grad(fn):
+        def run():
+            with torch.no_grad():
+                fn()
+        return run
 
-    with torch.no_grad():
-        out["local_fwd"] = median(lambda: _layer(q, k, v, g, None))
-    out["local_fwd_bwd"] = median(lambda: _fwd_bwd(q, k, v, g, None, w))
-    for method in methods:
-        sp = SequenceParallel(method=method)
-        r: dict[str, float] = {}
-        r["fwd_bwd"] = median(lambda sp=sp: _fwd_bwd(q, k, v, g, sp, w))
-        with torch.no_grad():
-            r["fwd"] = median(lambda sp=sp: _layer(q, k, v, g, sp))
+    def no_overlap(fn):
+        def run():
             sp_primitive_module.OVERLAP = False
             try:
-                r["fwd_no_overlap"] = median(lambda sp=sp: _layer(q, k, v, g, sp))
+                fn()
             finally:
                 sp_primitive_module.OVERLAP = True
-            r["exchange_alone"] = median(lambda sp=sp: _exchange_only(sp, q, k, v))
-        out[method] = r
-    return out
+        return run
+
+    configs = {
+        "local/fwd": no_grad(lambda: _layer(q, k, v, g, None)),
+        "local/fwd_bwd": lambda: _fwd_bwd(q, k, v, g, None, w),
+    }
+    for method in methods:
+        sp = SequenceParallel(method=method)
+        configs[f"{method}/fwd_bwd"] = lambda sp=sp: _fwd_bwd(q, k, v, g, sp, w)
+        configs[f"{method}/fwd"] = no_grad(lambda sp=sp: _layer(q, k, v, g, sp))
+        configs[f"{method}/fwd_no_overlap"] = no_overlap(no_grad(lambda sp=sp: _layer(
+            q, k, v, g, sp)))
+        configs[f"{method}/exchange_alone"] = no_grad(lambda sp=sp: _exchange_only(sp, q, k, v))
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    for fn in configs.values():  # warm-up
+        fn()
+    for _ in range(reps):
+        for name, fn in configs.items():
+            reset_traffic()
+            times[name].append(_barrier_time(fn))
+            if name.endswith(("/fwd", "/fwd_no_overlap")) and not name.startswith("local"):
+                # Time this rank sat in the exchange's wait: what the overlap did not hide.
+                times.setdefault(f"{name}/blocked", []).append(blocked_seconds())
+    return times
 
 
 def _exchange_only(sp: SequenceParallel, q, k, v) -> None:

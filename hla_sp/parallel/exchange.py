@@ -30,6 +30,7 @@ algorithm of each collective sends them.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from hla_sp.parallel.config import Plan
 
 _TRAFFIC: dict[str, int] = {}
+_BLOCKED = [0.0]  # seconds the calling thread waited for forward exchanges to finish
 _LOCK = threading.Lock()
 
 
@@ -64,9 +66,16 @@ def traffic() -> dict[str, int]:
 
 
 def reset_traffic() -> None:
-    """Zero every counter."""
+    """Zero every counter (bytes and blocked time)."""
     with _LOCK:
         _TRAFFIC.clear()
+        _BLOCKED[0] = 0.0
+
+
+def blocked_seconds() -> float:
+    """Seconds this rank's calling thread has waited for forward exchanges since the
+    last reset: what the overlap did not hide (includes waiting for slower ranks)."""
+    return _BLOCKED[0]
 
 
 # torch >= 2.10 renamed the tensor forms of the two collectives; keep older torch working.
@@ -90,7 +99,11 @@ class Pending:
         self._wait = wait
 
     def wait(self) -> Any:
-        return self._wait()
+        t = time.perf_counter()
+        try:
+            return self._wait()
+        finally:
+            _BLOCKED[0] += time.perf_counter() - t
 
 
 def _on_thread(fn: Callable[[], Any]) -> Pending:
