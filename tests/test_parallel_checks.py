@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import hla_sp
 from hla_sp.parallel import SequenceParallel, reset_traffic, shard, traffic
+from hla_sp.testing import RemoteError, World
 
 
 def _inputs(T: int, B: int = 1, H: int = 2, K: int = 4, V: int = 3, dtype=torch.float32,
@@ -31,6 +32,8 @@ def test_sequence_parallel_rejects_bad_arguments() -> None:
         SequenceParallel(layout="striped")
     with pytest.raises(ValueError, match="method: expected one of"):
         SequenceParallel(method="alltoall")
+    with pytest.raises(ValueError, match="check_timeout_s: expected a number > 0"):
+        SequenceParallel(check_timeout_s=0)
     with pytest.raises(TypeError, match=r"group: expected a torch\.distributed\.ProcessGroup"):
         SequenceParallel(group="world")  # type: ignore[arg-type]
     assert hla_sp.SequenceParallel is SequenceParallel
@@ -198,3 +201,20 @@ def _chain_task(rank: int, P: int, method: str) -> float:
 def test_chained_calls_with_an_empty_shard(world, method: str) -> None:
     errs = world(3).run(_chain_task, method, timeout=90)
     assert max(errs) < 1e-10, errs
+
+
+def _local_error_task(rank: int, P: int) -> None:
+    q, k, v = _inputs(4)
+    sp = SequenceParallel(check_timeout_s=3.0)
+    hla_sp.linear_attention(q[..., :3] if rank == 1 else q, k, v, sp=sp)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_failing_its_own_checks_does_not_hang_the_others() -> None:
+    # Its own world: the timed-out collective leaves the group unusable.
+    with World(2) as w, pytest.raises(RemoteError) as info:
+        w.run(_local_error_task, timeout=60)
+    errors = info.value.errors
+    assert sorted(errors) == [0, 1]
+    assert "k: expected shape" in errors[1][1]
+    assert "not every rank of the group joined the agreement check" in errors[0][1]

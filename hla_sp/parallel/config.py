@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
@@ -85,6 +86,10 @@ class SequenceParallel:
     method: str = "allgather"
     """Exchange of summaries: "allgather" (one collective), "ring" (P-1 hops) or
     "tree" (ceil(log2 M) rounds of point-to-point messages, M pieces)."""
+    check_timeout_s: float | None = 600.0
+    """How long the per-call agreement check waits for every rank to join it before
+    raising (a rank that failed its own argument checks never joins); None waits as
+    long as the process group's own timeout. 600 s is NCCL's default timeout."""
     _plan: Plan | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -97,6 +102,9 @@ class SequenceParallel:
             raise ValueError(f"layout: expected one of {LAYOUTS}, got {self.layout!r}")
         if self.method not in METHODS:
             raise ValueError(f"method: expected one of {METHODS}, got {self.method!r}")
+        t = self.check_timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0):
+            raise ValueError(f"check_timeout_s: expected a number > 0 or None, got {t!r}")
 
     def _group(self) -> dist.ProcessGroup:
         if not dist.is_available() or not dist.is_initialized():
@@ -138,8 +146,20 @@ class SequenceParallel:
         mine = torch.tensor(row, dtype=torch.int64, device=inputs.q.device)
         rows = mine.new_empty(P * len(row))
         if P > 1:
-            exchange.all_gather_single(rows, mine, group=group)
+            work = exchange.all_gather_single(rows, mine, group=group, async_op=True)
             exchange.count("meta", (P - 1) * mine.numel() * mine.element_size())
+            try:
+                if self.check_timeout_s is None:
+                    work.wait()
+                else:
+                    work.wait(timeout=timedelta(seconds=self.check_timeout_s))
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"SequenceParallel: not every rank of the group joined the agreement "
+                    f"check of this {op} call within {self.check_timeout_s} s (a rank may "
+                    f"have failed its own argument checks or stopped); the group's state "
+                    f"is now undefined, restart it. ({e})"
+                ) from e
         else:
             rows.copy_(mine)
         table = rows.view(P, len(row)).cpu().tolist()
