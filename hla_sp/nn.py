@@ -615,7 +615,8 @@ class HLAttention(nn.Module):
         v = self.v_proj(x).view(B, T, h.num_kv_heads, h.head_dim)
         o, state = h(q, k, v, initial_state=initial_state, output_final_state=output_final_state,
                      cu_seqlens=cu_seqlens, sp=sp, chunk_size=chunk_size)
-        return self.o_proj(o.reshape(B, T, -1)), state
+        # Explicit width: an empty shard (T = 0 under sp) cannot infer a -1.
+        return self.o_proj(o.reshape(B, T, h.num_heads * h.head_dim)), state
 
     def init_state(self, batch_size: int, device: torch.device | str | None = None) -> tuple:
         """A zero decode state for ``batch_size`` sequences (the operator's state tuple)."""

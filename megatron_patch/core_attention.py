@@ -232,9 +232,10 @@ class HLACoreAttention(MegatronModule):
             raise ValueError(f"query: a THD batch has batch size 1, got {q.shape[0]}")
         sp = self._sequence_parallel(self._cp_group(packed_seq_params))
         o, _ = self.heads(q, k, v, cu_seqlens=cu_seqlens, sp=sp)
+        width = o.shape[2] * o.shape[3]  # explicit: a -1 is ambiguous for an empty shard
         if query.dim() == 3:
-            return o.reshape(o.shape[1], -1)
-        return o.transpose(0, 1).reshape(o.shape[1], o.shape[0], -1)
+            return o.reshape(o.shape[1], width)
+        return o.transpose(0, 1).reshape(o.shape[1], o.shape[0], width)
 
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
