@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import traceback
@@ -50,7 +51,10 @@ def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any
                 break
             fn, args = item
             try:
-                results.put((rank, True, fn(rank, world_size, *args)))
+                value = fn(rank, world_size, *args)
+                # Pickle here: a queue pickles in a background thread, where a failure
+                # would be lost and the caller would wait for its whole timeout.
+                results.put((rank, True, pickle.dumps(value)))
             except BaseException as e:  # report, keep serving
                 results.put((rank, False, (type(e).__name__, traceback.format_exc())))
     finally:
@@ -107,7 +111,7 @@ class World:
                     f"within {timeout} s; the world was torn down"
                 ) from None
             if ok:
-                out[rank] = value
+                out[rank] = pickle.loads(value)
             else:
                 errors[rank] = value
         if errors:
