@@ -37,12 +37,12 @@ from hla_sp.ops import validate
 from hla_sp.ops.chunk import compute_dtype
 from hla_sp.ops.compositions import (
     DEFAULT_EPS,
-    AHLAState,
-    HLA2State,
-    HLA3State,
+    STATE_TYPES,
     ahla,
+    compose,
     hla2,
     hla3,
+    state_fields,
 )
 from hla_sp.ops.linear_attention import DEFAULT_CHUNK_SIZE, linear_attention, primitive
 
@@ -174,16 +174,12 @@ def shared_stage(
 def _state_shapes(
     operator: str, n: int, hq: int, hkv: int, k: int, v: int, normalize: bool
 ) -> dict[str, tuple[int, ...] | None]:
-    if operator == "hla2":
-        return {"S": (n, hkv, k, k), "H": (n, hq, k, v), "eta": (n, hq, k) if normalize else None}
-    if operator == "ahla":
-        return {"C": (n, hkv, k, v), "H": (n, hq, k, v)}
-    if operator == "hla3":
-        return {"S": (n, hkv, k, k), "C": (n, hkv, k, v), "H": (n, hq, k, v)}
-    return {"h": (n, hkv, k, v)}
+    if operator == "linear":
+        return {"h": (n, hkv, k, v)}
+    return state_fields(operator, n, hq, hkv, k, v, normalize)
 
 
-_STATE_TYPES = {"hla2": HLA2State, "ahla": AHLAState, "hla3": HLA3State, "linear": LinearState}
+_STATE_TYPES = {**STATE_TYPES, "linear": LinearState}
 
 
 def grouped_operator(
@@ -267,43 +263,25 @@ def grouped_operator(
     common = dict(cu_seqlens=x.cu_seqlens, want_final=output_final_state,
                   chunk_size=x.chunk_size, sp=sp)
 
-    def per_head(kq: torch.Tensor, vq: torch.Tensor, h0: torch.Tensor | None):
+    def shared(qq: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor, h0: torch.Tensor | None):
+        return shared_stage(qq, kq, vq, g, h0=h0, **common)
+
+    def per_head(qq: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor, h0: torch.Tensor | None):
         if sp is not None:
             # shared_stage planned the interleaved shape; plan this one again.
             sp.check_call(x_check, op=f"{operator}/gqa{G}", options=(normalize, ridge, eps))
-        return primitive(qs, kq, vq, gq, h0=h0, **common)
+        return primitive(qq, kq, vq, gq, h0=h0, **common)
 
     if operator == "linear":
-        o, h = shared_stage(qs, kk, vv, g, h0=s0[0], **common)
-        state = LinearState(h)
-    elif operator == "hla2":
-        S0, H0, eta0 = s0
-        k_tilde, S = shared_stage(qs, kk, kk, g, h0=S0, **common)
-        if ridge:
-            k_tilde = k_tilde + ridge * qs
-        vq = vv.repeat_interleave(G, dim=2)
-        if normalize:
-            vq = torch.cat([vq, torch.ones_like(vq[..., :1])], dim=-1)
-            if H0 is not None:
-                H0 = torch.cat([H0, eta0[..., None]], dim=-1)
-        o, Hf = per_head(k_tilde, vq, H0)
-        eta = None
-        if normalize:
-            o = o[..., :V] / (o[..., V:] + eps)
-            if Hf is not None:
-                Hf, eta = Hf[..., :V], Hf[..., V]
-        state = HLA2State(S, Hf, eta)
-    elif operator == "ahla":
-        C0, H0 = s0
-        u, C = shared_stage(qs, kk, vv, g, h0=C0, **common)
-        o, Hf = per_head(kk.repeat_interleave(G, dim=2), u, H0)
-        state = AHLAState(C, Hf)
-    else:  # hla3
-        S0, C0, H0 = s0
-        k_tilde, S = shared_stage(qs, kk, kk, g, h0=S0, **common)
-        u, C = shared_stage(qs, kk, vv, g, h0=C0, **common)
-        o, Hf = per_head(k_tilde, u, H0)
-        state = HLA3State(S, C, Hf)
+        o, h = shared(qs, kk, vv, s0[0])
+        state: tuple = LinearState(h)
+    else:
+        o, final = compose(
+            operator, qs, kk, vv, s0, shared=shared, per_head=per_head,
+            expand=lambda t: t.repeat_interleave(G, dim=2),
+            normalize=normalize, ridge=ridge, eps=eps,
+        )
+        state = _STATE_TYPES[operator](*final)
     return o.to(q.dtype), (state if output_final_state else None)
 
 
