@@ -312,6 +312,21 @@ def _met(x: object, ok: Callable[[float], bool]) -> bool | str:
     return bool(ok(x)) if isinstance(x, float) else NOT_RUN
 
 
+def set_fractions(res: dict) -> None:
+    """GFLOP/s of every point as a fraction of the matmul reference.
+
+    The reference is the better of the start and end measurements: other load can
+    only slow a measurement down, so the faster one is closer to what the machine
+    can do.
+    """
+    ref = max(res["matmul_gflops_start"]["square"], res["matmul_gflops_end"]["square"])
+    res["matmul_gflops_reference"] = ref
+    for pts in res["ops"].values():
+        for p in pts.values():
+            if "gflops" in p:
+                p["fraction_of_matmul"] = p["gflops"] / ref
+
+
 # --------------------------------------------------------------------------- profile
 
 
@@ -363,7 +378,8 @@ def plot(res: dict, path: Path) -> None:
         ax.set_ylabel(ylab)
         ax.set_title(f"{title}: B={B} H={H} K=V={K}, fp32 CPU")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:  # the memory panel is empty with --no-memory
+            ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -399,6 +415,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="chunk sizes for the profile's sweep")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", type=Path, default=RESULTS, help="folder for ops.json and ops.png")
+    p.add_argument("--reanalyse", type=Path, default=None,
+                   help="recompute the analysis and plot of an existing ops.json, no timing")
     p.add_argument("--memory-child", nargs=2, metavar=("OP", "T"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -409,6 +427,15 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     if args.memory_child:
         print(json.dumps(memory_child(args.memory_child[0], int(args.memory_child[1]))))
+        return 0
+
+    if args.reanalyse:
+        res = json.loads(args.reanalyse.read_text())
+        set_fractions(res)
+        res["analysis"] = analyse(res)
+        args.reanalyse.write_text(json.dumps(res, indent=1) + "\n")
+        plot(res, args.reanalyse.with_suffix(".png"))
+        print(json.dumps(res["analysis"]["targets"], indent=1))
         return 0
 
     Ts = args.ts or (QUICK_TS if args.quick else FULL_TS)
@@ -458,14 +485,8 @@ def main(argv: list[str] | None = None) -> int:
                                         for op in run_ops), flush=True)
         del q, k, v
     res["matmul_gflops_end"] = matmul_gflops(reps=5)
-    ref = statistics.fmean([res["matmul_gflops_start"]["square"],
-                            res["matmul_gflops_end"]["square"]])
-    res["matmul_gflops_reference"] = ref
-    for pts in ops.values():
-        for p in pts.values():
-            if "gflops" in p:
-                p["fraction_of_matmul"] = p["gflops"] / ref
     res["ops"] = ops
+    set_fractions(res)
 
     if not args.no_memory:
         jobs = [(op, T) for T in Ts for op in OPS if max_t.get(op, T) >= T]
