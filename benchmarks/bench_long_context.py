@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Any
 
-from hla_sp.launch.local import run_local
+from hla_sp.launch.local import MALLOC_MMAP_THRESHOLD, run_local
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GIB = 2**30
@@ -44,6 +44,12 @@ def model_flags(hidden: int, layers: int, head_dim: int = 16) -> list[str]:
     ]  # fmt: skip
 
 
+# glibc raises its mmap threshold after large frees, so later large tensors come from the
+# heap and the resident set stays high after they are freed; a fixed threshold returns
+# every large tensor to the system when it is freed, and the peak RSS is the real peak.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": MALLOC_MMAP_THRESHOLD}
+
+
 def measure(flags: list[str], nproc: int, iters: int, tag: str, tmp: str) -> dict[str, Any]:
     """One run; the figures of its last iteration (the first also allocates)."""
     run = run_local(
@@ -51,6 +57,7 @@ def measure(flags: list[str], nproc: int, iters: int, tag: str, tmp: str) -> dic
         nproc,
         os.path.join(tmp, f"{tag}.jsonl"),
         timeout=3600,
+        env=MALLOC_ENV,
     )
     if run.returncode != 0 or not run.records:
         tail = run.output[-1500:]
@@ -124,7 +131,7 @@ def sizes(args: argparse.Namespace, tmp: str) -> dict[str, Any]:
             measure(
                 [*model_flags(hidden, args.layers), "--seq-length", str(t)],
                 1,
-                2,
+                1,  # the peak is reached in the first step (Adam's state is small)
                 f"size_h{hidden}_T{t}",
                 tmp,
             )
@@ -155,6 +162,37 @@ def sizes(args: argparse.Namespace, tmp: str) -> dict[str, Any]:
         "budget_gib": args.budget_gib,
         "rows": rows,
         "largest_hidden_that_fits": max(fits) if fits else None,
+    }
+
+
+def width_fit(sizes_result: dict[str, Any], head_dim: int = 16) -> dict[str, Any] | None:
+    """Bytes per token grow linearly with the width: fit ``a * hidden + b`` over the
+    measured widths and find the widest model (a multiple of the head dim) whose
+    projected peak at the target fits the budget."""
+    rows = [r for r in sizes_result.get("rows", []) if "bytes_per_token" in r]
+    if len(rows) < 2:
+        return None
+    xs = [float(r["hidden"]) for r in rows]
+    ys = [float(r["bytes_per_token"]) for r in rows]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    b = my - a * mx
+    fixed = max(float(r["fixed_bytes"]) for r in rows)
+    tokens = sizes_result["target_seq"] // sizes_result["target_cp"]
+    budget = sizes_result["budget_gib"] * GIB
+    widest = None
+    h = head_dim
+    while fixed + (a * h + b) * tokens <= budget:
+        widest = h
+        h += head_dim
+    return {
+        "bytes_per_token_per_hidden": a,
+        "bytes_per_token_intercept": b,
+        "fixed_bytes": fixed,
+        "widest_hidden_within_budget": widest,
+        "projected_peak_gib_at_widest": (fixed + (a * widest + b) * tokens) / GIB
+        if widest
+        else None,
     }
 
 
@@ -203,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--tokens-per-rank", type=int, default=65536)
     ap.add_argument("--hiddens", type=int, nargs="+", default=[32, 64, 128, 256])
-    ap.add_argument("--size-lengths", type=int, nargs=2, default=[16384, 32768])
+    ap.add_argument("--size-lengths", type=int, nargs=2, default=[16384, 65536])
     ap.add_argument("--target-seq", type=int, default=1048576)
     ap.add_argument("--target-cp", type=int, default=4)
     ap.add_argument("--budget-gib", type=float, default=24.0)
@@ -223,12 +261,18 @@ def main(argv: list[str] | None = None) -> int:
         "python": sys.version.split()[0],
         "note": "CPU, gloo; peak = resident-set high-water mark per rank",
     }
-    result["model"] = {"hidden": args.hidden, "layers": args.layers, "head_dim": 16}
     for part in args.only:
+        if part != "sizes":
+            result[f"{part}_model"] = {"hidden": args.hidden, "layers": args.layers, "head_dim": 16}
         t0 = time.time()
         result[part] = {"lengths": lengths, "per_rank": per_rank, "sizes": sizes}[part](args, tmp)
         result[f"{part}_wall_s"] = time.time() - t0
         with open(json_path, "w") as f:  # after each part: a long run keeps what it measured
+            json.dump(result, f, indent=2)
+    if "sizes" in result:
+        result["sizes"]["width_fit"] = width_fit(result["sizes"])
+        print(f"[sizes] fit over widths: {result['sizes']['width_fit']}", flush=True)
+        with open(json_path, "w") as f:
             json.dump(result, f, indent=2)
     plot(result, os.path.join(args.out, "long_context.png"))
     print(f"wrote {json_path} and long_context.png", flush=True)

@@ -16,6 +16,7 @@ import os
 import sys
 
 from hla_sp.launch.config import ConfigError, parse_args, validate
+from hla_sp.launch.local import MALLOC_MMAP_THRESHOLD
 
 
 def torchrun_command(launch: argparse.Namespace, trainer_argv: list[str]) -> list[str]:
@@ -75,6 +76,8 @@ def _train(argv: list[str]) -> int:
         print(" ".join(cmd))
         return 0
     sys.stdout.flush()
+    # see hla_sp.launch.local: keeps CPU memory from creeping up (the workers inherit it)
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", MALLOC_MMAP_THRESHOLD)
     os.execv(cmd[0], cmd)
     return 0  # not reached
 

@@ -18,6 +18,11 @@ from typing import Any
 
 from hla_sp.launch.distributed import free_port
 
+# glibc raises its mmap threshold after large frees; later large tensors then come from
+# the heap, which does not shrink, and CPU memory creeps up. A fixed threshold returns
+# every large tensor to the system when freed (set for the workers by hla-sp train too).
+MALLOC_MMAP_THRESHOLD = "131072"
+
 
 @dataclass
 class LocalRun:
@@ -43,6 +48,7 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
 def _env(extra: dict[str, str] | None) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", MALLOC_MMAP_THRESHOLD)
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
     return env

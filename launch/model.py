@@ -62,12 +62,28 @@ def transformer_config(cfg: TrainConfig) -> Any:
     )
 
 
-def _checkpointed(fn: Any) -> Any:
+def _checkpointed(fn: Any, tensor_kwarg: str | None = None) -> Any:
+    """``fn`` recomputed in backward by the reentrant ``torch.utils.checkpoint``.
+
+    Reentrant, because the non-reentrant form kept each step's recomputed tensors
+    alive under context parallelism (memory grew every iteration; see docs/launch.md).
+    Tensor positional arguments (and ``tensor_kwarg`` when given by keyword) are the
+    checkpoint's inputs; every other argument is passed through unchanged.
+    """
+
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return fn(*args, **kwargs)
-        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        lead = (kwargs.pop(tensor_kwarg),) if tensor_kwarg and tensor_kwarg in kwargs else ()
+        inputs = (*lead, *args)
+
+        def body(*xs: Any) -> Any:
+            if lead:
+                return fn(*xs[1:], **{tensor_kwarg: xs[0]}, **kwargs)  # type: ignore[misc]
+            return fn(*xs, **kwargs)
+
+        return checkpoint(body, *inputs, use_reentrant=True, preserve_rng_state=True)
 
     return run
 
@@ -79,8 +95,11 @@ def apply_recompute(model: torch.nn.Module, granularity: str | None) -> int:
         return 0
     wrapped = 0
     for layer in model.decoder.layers:
-        target = layer if granularity == "full" else layer.self_attention.core_attention
-        target.forward = _checkpointed(target.forward)
+        if granularity == "full":
+            layer.forward = _checkpointed(layer.forward, tensor_kwarg="hidden_states")
+        else:
+            core = layer.self_attention.core_attention
+            core.forward = _checkpointed(core.forward)
         wrapped += 1
     return wrapped
 
