@@ -99,9 +99,11 @@ def chunk_linear_attention(
     s = (kc * w_state[..., None]).transpose(-1, -2) @ vc  # [B, H, N, K, V]
     h = torch.zeros(B, H, K, V, dtype=cdt, device=q.device) if h0 is None else h0.to(cdt)
     incoming = []
-    for n in range(N):
+    # unbind, not s[:, :, n]: the backward of an index is a zero tensor the size of s
+    # per chunk, which made the backward O(N^2 K V).
+    for p_n, s_n in zip(p.unbind(-1), s.unbind(2)):
         incoming.append(h)
-        h = p[..., n, None, None] * h + s[:, :, n]
+        h = p_n[..., None, None] * h + s_n
     h_in = torch.stack(incoming, dim=2)  # [B, H, N, K, V]
     o = o + (qc * w_carry[..., None]) @ h_in
 
