@@ -218,3 +218,18 @@ def test_a_rank_failing_its_own_checks_does_not_hang_the_others() -> None:
     assert sorted(errors) == [0, 1]
     assert "k: expected shape" in errors[1][1]
     assert "not every rank of the group joined the agreement check" in errors[0][1]
+
+
+def test_long_shard_summary_is_accurate_in_fp32() -> None:
+    # A rank's summary spans its whole shard: with decay, A_L reaches ~1e4 at 2^18
+    # tokens, and exp(A_L - A_j) computed by subtraction lost ~1e-4 relative in fp32.
+    from hla_sp.ops.chunk import segment_summary
+
+    gen = torch.Generator().manual_seed(0)
+    L, H, K = 1 << 18, 1, 8
+    k, v = (torch.randn(1, L, H, K, generator=gen, dtype=torch.float64) for _ in range(2))
+    g = -0.03 * (1 + torch.rand(1, L, H, generator=gen, dtype=torch.float64))
+    h64, a64 = segment_summary(k, v, g)
+    h32, a32 = segment_summary(k.float(), v.float(), g.float())
+    assert float((h32.double() - h64).abs().max() / h64.abs().max()) < 1e-5
+    assert float((a32.double() - a64).abs().max() / a64.abs().max()) < 1e-6

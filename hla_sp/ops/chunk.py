@@ -128,9 +128,11 @@ def segment_summary(
     B, _L, H, _ = k.shape
     if g is None:
         return torch.einsum("blhk,blhv->bhkv", k, v), torch.zeros(B, H, dtype=cdt, device=k.device)
-    A = g.to(cdt).cumsum(1)
-    total = A[:, -1]
-    w = torch.exp(total[:, None] - A)  # [B, L, H]
+    # exp(A_L - A_j) as the exp of a suffix sum: A_L - A_j cancels catastrophically
+    # in fp32 once |A_L| is large (a long shard: |A_L| ~ 1e4 costs ~1e-3 relative).
+    suffix = g.to(cdt).flip(1).cumsum(1).flip(1)  # [B, L, H]: sum_{i >= j} g_i
+    total = suffix[:, 0]
+    w = torch.exp(F.pad(suffix[:, 1:], (0, 0, 0, 1)))  # sum_{i > j} g_i
     return torch.einsum("blhk,blhv->bhkv", k * w[..., None], v), total
 
 
