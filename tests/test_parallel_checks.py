@@ -78,6 +78,8 @@ def _mismatch_task(rank: int, P: int) -> list[str]:
     op = hla_sp.hla3 if rank == P - 1 else hla_sp.ahla
     attempt("op", lambda: op(q, k, v, sp=sp))
     attempt("options", lambda: hla_sp.hla2(q, k, v, normalize=rank == 0, sp=sp))
+    attempt("final", lambda: hla_sp.linear_attention(q, k, v, output_final_state=rank == 0,
+                                                     sp=sp))
     qz, kz, vz = _inputs(2 * (4 + (rank == 0)))
     attempt("zigzag", lambda: hla_sp.linear_attention(qz, kz, vz, sp=SequenceParallel(
         layout="zigzag")))
@@ -93,6 +95,7 @@ def test_mismatch_raises_on_every_rank(world, P: int) -> None:
         "cu_seqlens": "cu_seqlens differs", "total": "cu_seqlens[-1] = ",
         "method": "method differs: 'ring' on ranks [0]",
         "op": "operator differs: 'ahla' on ranks [0", "options": "options differs",
+        "final": "options differs",
         "zigzag": "zigzag layout needs the same even local T",
     }
     for rank, seen in enumerate(per_rank):

@@ -209,7 +209,8 @@ def _run(
     fields = state_fields(operator, x.n_seq, x.H, x.H, x.K, x.V, normalize)
     state0 = _unpack_state(initial_state, fields, x.q)
     if sp is not None:
-        sp.check_call(x, op=operator, options=(normalize, ridge, eps))
+        # output_final_state decides whether the final states are all-reduced: agree on it.
+        sp.check_call(x, op=operator, options=(normalize, ridge, eps, output_final_state))
     cdt = compute_dtype(x.q.dtype)
 
     def stage(qs: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, h0: torch.Tensor | None):

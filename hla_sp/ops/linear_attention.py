@@ -171,7 +171,8 @@ def linear_attention(
     shape = (inputs.n_seq, inputs.H, inputs.K, inputs.V)
     h0 = validate.check_state("initial_state", initial_state, shape, inputs.q)
     if sp is not None:
-        sp.check_call(inputs, op="linear_attention", options=())
+        # output_final_state decides whether the final state is all-reduced: agree on it.
+        sp.check_call(inputs, op="linear_attention", options=(output_final_state,))
     return primitive(
         inputs.q * inputs.scale,
         inputs.k,
