@@ -134,8 +134,13 @@ def shared_stage(
     cu_seqlens: torch.Tensor | None,
     chunk_size: int,
     sp: SequenceParallel | None,
+    plan: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One primitive stage whose state is shared by each GQA group.
+
+    Under ``sp`` the interleaved shard is planned (one agreement check) when ``plan``;
+    consecutive shared stages of one call pass ``plan=False`` after the first, so their
+    exchanges share one backward ordering chain.
 
     Args:
         q: [B, T, Hq, K] scaled queries, Hq = G * Hkv (query head h reads kv head h // G).
@@ -158,7 +163,7 @@ def shared_stage(
     vi = _interleave(v, G, repeat=False)
     gi = None if g is None else _interleave(g, G, repeat=False)
     cu = None if cu_seqlens is None else cu_seqlens * G
-    if sp is not None:
+    if sp is not None and plan:
         # The interleaved shard is a call of its own (local T * G, offsets * G): every
         # rank checks and plans it, as a public operator does before its stages.
         xi = validate.check_inputs(qi, ki, vi, log_decay=gi, scale=1.0, cu_seqlens=cu, sp=sp,
@@ -263,8 +268,12 @@ def grouped_operator(
     common = dict(cu_seqlens=x.cu_seqlens, want_final=output_final_state,
                   chunk_size=x.chunk_size, sp=sp)
 
+    planned = []  # every shared stage precedes the per-head stage: plan them once
+
     def shared(qq: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor, h0: torch.Tensor | None):
-        return shared_stage(qq, kq, vq, g, h0=h0, **common)
+        out = shared_stage(qq, kq, vq, g, h0=h0, plan=not planned, **common)
+        planned.append(True)
+        return out
 
     def per_head(qq: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor, h0: torch.Tensor | None):
         if sp is not None:
