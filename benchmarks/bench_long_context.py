@@ -165,10 +165,13 @@ def sizes(args: argparse.Namespace, tmp: str) -> dict[str, Any]:
     }
 
 
-def width_fit(sizes_result: dict[str, Any], head_dim: int = 16) -> dict[str, Any] | None:
+def width_fit(
+    sizes_result: dict[str, Any], head_dim: int = 16, cp_factor: float = 1.0
+) -> dict[str, Any] | None:
     """Bytes per token grow linearly with the width: fit ``a * hidden + b`` over the
     measured widths and find the widest model (a multiple of the head dim) whose
-    projected peak at the target fits the budget."""
+    projected peak at the target, times ``cp_factor`` (measured CP run / projection),
+    fits the budget."""
     rows = [r for r in sizes_result.get("rows", []) if "bytes_per_token" in r]
     if len(rows) < 2:
         return None
@@ -182,7 +185,7 @@ def width_fit(sizes_result: dict[str, Any], head_dim: int = 16) -> dict[str, Any
     budget = sizes_result["budget_gib"] * GIB
     widest = None
     h = head_dim
-    while fixed + (a * h + b) * tokens <= budget:
+    while (fixed + (a * h + b) * tokens) * cp_factor <= budget:
         widest = h
         h += head_dim
     return {
@@ -190,7 +193,8 @@ def width_fit(sizes_result: dict[str, Any], head_dim: int = 16) -> dict[str, Any
         "bytes_per_token_intercept": b,
         "fixed_bytes": fixed,
         "widest_hidden_within_budget": widest,
-        "projected_peak_gib_at_widest": (fixed + (a * widest + b) * tokens) / GIB
+        "cp_factor": cp_factor,
+        "projected_peak_gib_at_widest": (fixed + (a * widest + b) * tokens) * cp_factor / GIB
         if widest
         else None,
     }
@@ -270,8 +274,32 @@ def main(argv: list[str] | None = None) -> int:
         with open(json_path, "w") as f:  # after each part: a long run keeps what it measured
             json.dump(result, f, indent=2)
     if "sizes" in result:
-        result["sizes"]["width_fit"] = width_fit(result["sizes"])
-        print(f"[sizes] fit over widths: {result['sizes']['width_fit']}", flush=True)
+        s = result["sizes"]
+        result["sizes"]["width_fit"] = width_fit(s)
+        # the projection is from one process; check it against a real CP run at the target
+        real = [
+            r
+            for r in result.get("lengths", [])
+            if r["status"] == "ok"
+            and r["seq_length"] == s["target_seq"]
+            and r["cp"] == s["target_cp"]
+        ]
+        model = result.get("lengths_model", {})
+        row = [r for r in s["rows"] if r["hidden"] == model.get("hidden") and "fixed_bytes" in r]
+        if real and row and model.get("layers") == s["rows"][0]["layers"]:
+            projected = row[0]["fixed_bytes"] + row[0]["bytes_per_token"] * (
+                s["target_seq"] // s["target_cp"]
+            )
+            factor = max(real[0]["peak_mem_bytes_per_rank"]) / projected
+            s["check_against_cp_run"] = {
+                "hidden": model["hidden"],
+                "measured_gib": max(real[0]["peak_mem_bytes_per_rank"]) / GIB,
+                "projected_gib": projected / GIB,
+                "factor": factor,
+            }
+            s["width_fit_with_cp_factor"] = width_fit(s, cp_factor=max(factor, 1.0))
+        for key in ("width_fit", "check_against_cp_run", "width_fit_with_cp_factor"):
+            print(f"[sizes] {key}: {result['sizes'].get(key)}", flush=True)
         with open(json_path, "w") as f:
             json.dump(result, f, indent=2)
     plot(result, os.path.join(args.out, "long_context.png"))
