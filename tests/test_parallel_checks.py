@@ -236,3 +236,32 @@ def test_long_shard_summary_is_accurate_in_fp32() -> None:
     h32, a32 = segment_summary(k.float(), v.float(), g.float())
     assert float((h32.double() - h64).abs().max() / h64.abs().max()) < 1e-5
     assert float((a32.double() - a64).abs().max() / a64.abs().max()) < 1e-6
+
+
+def _plan_is_freed(rank: int, world_size: int, use_checkpoint: bool) -> bool:
+    import gc
+    import weakref
+
+    from torch.utils.checkpoint import checkpoint
+
+    sp = SequenceParallel()
+    q = torch.randn(1, 40, 2, 8, requires_grad=True)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return hla_sp.hla2(x, x, x, sp=sp)[0]
+
+    o = checkpoint(layer, q, use_reentrant=False) if use_checkpoint else layer(q)
+    plan = weakref.ref(sp._plan)
+    o.sum().backward()
+    del o
+    sp._plan = None  # the next call would replace it
+    gc.collect()
+    return plan() is None
+
+
+@pytest.mark.parametrize("use_checkpoint", [False, True], ids=["plain", "checkpoint"])
+def test_a_call_leaves_nothing_alive_after_backward(world, use_checkpoint: bool) -> None:
+    """An autograd context that kept the plan (and so its token's grad_fn) closed a
+    cycle through autograd nodes: each call's graph leaked (~0.25 GiB per step at
+    CP=2 under non-reentrant checkpointing)."""
+    assert all(world(2).run(_plan_is_freed, use_checkpoint, timeout=120))

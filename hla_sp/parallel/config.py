@@ -10,6 +10,7 @@ hanging in a later collective. The gathered local lengths become the call's
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -50,8 +51,17 @@ class Plan:
     pieces: list[Piece]  # every piece, in global order
     T: int  # global sequence length
     needs_grad: bool  # grad mode is on: every rank builds the backward collectives
-    token: torch.Tensor  # orders this call's collectives in backward (see exchange.py)
+    token: torch.Tensor | None  # orders this call's collectives in backward (exchange.py)
     key: tuple[int, tuple[int, ...] | None]  # (local T, cu_seqlens) the plan was made for
+
+    def for_backward(self) -> Plan:
+        """This plan without its token, for an autograd context to keep.
+
+        A context holding the plan itself would close a cycle (plan -> token ->
+        grad_fn -> context -> plan) through autograd nodes, which Python's collector
+        cannot see: every call's graph and saved tensors would leak.
+        """
+        return dataclasses.replace(self, token=None)
 
     @property
     def own(self) -> list[Piece]:

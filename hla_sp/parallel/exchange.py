@@ -323,7 +323,7 @@ class _Scan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, token, X, q, k, v, g, pending, plan, shape, method):
-        ctx.plan, ctx.shape, ctx.method = plan, shape, method
+        ctx.plan, ctx.shape, ctx.method = plan.for_backward(), shape, method
         if method == "allgather":
             gathered = pending.wait()
             carries = S.exclusive_prefixes(
@@ -397,7 +397,7 @@ class _AllReduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, token, x, plan):
-        ctx.plan = plan
+        ctx.plan = plan.for_backward()
         out = x.detach().clone()
         if plan.world_size > 1:
             dist.all_reduce(out, group=plan.group)
