@@ -79,30 +79,6 @@ def retnet_log_decay(num_heads: int, device: torch.device | None = None) -> torc
     return torch.log1p(-torch.exp2(-e)).to(torch.float32).to(device)
 
 
-def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
-    return value
-
-
-def _check_pos_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    return value
-
-
-def _check_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
-    return value
-
-
-def _check_nonneg(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ValueError(f"{name}: expected a float >= 0, got {value!r}")
-    return float(value)
-
-
 # --------------------------------------------------------------------------------------
 # The operators with GQA: shared first-order stages, through the primitive.
 # --------------------------------------------------------------------------------------
@@ -218,7 +194,7 @@ def grouped_operator(
         (o [B, T, Hq, V], state or None). With Hq == Hkv this is exactly the public
         operator (it is called).
     """
-    operator = _check_choice("operator", operator, OPERATORS)
+    operator = validate.check_choice("operator", operator, OPERATORS)
     for name, x in (("q", q), ("k", k), ("v", v)):
         validate.check_tensor(name, x, 4, "[B, T, H, D]")
     B, T, Hq, K = q.shape
@@ -355,29 +331,29 @@ class HLAHeads(nn.Module):
         dtype: torch.dtype | None = None,
     ):
         super().__init__()
-        self.num_heads = _check_pos_int("num_heads", num_heads)
+        self.num_heads = validate.check_pos_int("num_heads", num_heads)
         kv = num_heads if num_kv_heads is None else num_kv_heads
-        self.num_kv_heads = _check_pos_int("num_kv_heads", kv)
+        self.num_kv_heads = validate.check_pos_int("num_kv_heads", kv)
         if num_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads: expected a divisor of num_heads = {num_heads}, "
                              f"got {self.num_kv_heads}")
-        self.head_dim = _check_pos_int("head_dim", head_dim)
-        self.operator = _check_choice("operator", operator, OPERATORS)
-        self.decay = _check_choice("decay", decay, DECAYS)
-        self.qk_norm = _check_bool("qk_norm", qk_norm)
-        self.output_norm = _check_bool("output_norm", output_norm)
-        self.normalize = _check_bool("normalize", normalize)
+        self.head_dim = validate.check_pos_int("head_dim", head_dim)
+        self.operator = validate.check_choice("operator", operator, OPERATORS)
+        self.decay = validate.check_choice("decay", decay, DECAYS)
+        self.qk_norm = validate.check_bool("qk_norm", qk_norm)
+        self.output_norm = validate.check_bool("output_norm", output_norm)
+        self.normalize = validate.check_bool("normalize", normalize)
         if self.normalize and operator != "hla2":
             raise ValueError(f"normalize: only operator 'hla2' has it, got operator {operator!r}")
-        self.eps = _check_nonneg("eps", eps)
-        self.ridge = _check_nonneg("ridge", ridge)
+        self.eps = validate.check_nonneg("eps", eps)
+        self.ridge = validate.check_nonneg("ridge", ridge)
         if self.ridge and operator != "hla2":
             raise ValueError(f"ridge: only operator 'hla2' has it, got operator {operator!r}")
         if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
             raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
         self.scale = None if scale is None else float(scale)
         self.chunk_size = validate.check_chunk_size(chunk_size)
-        self.norm_eps = _check_nonneg("norm_eps", norm_eps)
+        self.norm_eps = validate.check_nonneg("norm_eps", norm_eps)
         self.head_offset = head_offset
         self.total_kv_heads = self.num_kv_heads if total_kv_heads is None else total_kv_heads
         if not 0 <= head_offset <= self.total_kv_heads - self.num_kv_heads:
@@ -552,8 +528,8 @@ class HLAttention(nn.Module):
         dtype: torch.dtype | None = None,
     ):
         super().__init__()
-        self.hidden_size = _check_pos_int("hidden_size", hidden_size)
-        _check_pos_int("num_heads", num_heads)
+        self.hidden_size = validate.check_pos_int("hidden_size", hidden_size)
+        validate.check_pos_int("num_heads", num_heads)
         if head_dim is None:
             if hidden_size % num_heads:
                 raise ValueError(f"head_dim: needed, as num_heads = {num_heads} does not "
@@ -607,7 +583,7 @@ class HLAttention(nn.Module):
 
     def init_state(self, batch_size: int, device: torch.device | str | None = None) -> tuple:
         """A zero decode state for ``batch_size`` sequences (the operator's state tuple)."""
-        _check_pos_int("batch_size", batch_size)
+        validate.check_pos_int("batch_size", batch_size)
         if device is None:
             device = self.q_proj.weight.device
         return self.heads.init_state(batch_size, device=device)

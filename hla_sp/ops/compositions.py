@@ -84,18 +84,6 @@ def _unpack_state(
     return out
 
 
-def _check_flag(name: str, x: object) -> bool:
-    if not isinstance(x, bool):
-        raise TypeError(f"{name}: expected a bool, got {type(x).__name__}")
-    return x
-
-
-def _check_nonneg(name: str, x: object) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not x >= 0:
-        raise ValueError(f"{name}: expected a float >= 0, got {x!r}")
-    return float(x)
-
-
 # A stage: (q [B, T, Hq, K], keys, values, h0) -> (out, final state or None). The log-decay,
 # documents, chunk size and sequence parallelism are bound in by the caller.
 Stage = Callable[
@@ -203,9 +191,9 @@ def _run(
         q, k, v, log_decay=log_decay, scale=scale, cu_seqlens=cu_seqlens, sp=sp,
         chunk_size=chunk_size,
     )
-    normalize = _check_flag("normalize", normalize)
-    ridge = _check_nonneg("ridge", ridge)
-    eps = _check_nonneg("eps", eps)
+    normalize = validate.check_bool("normalize", normalize)
+    ridge = validate.check_nonneg("ridge", ridge)
+    eps = validate.check_nonneg("eps", eps)
     fields = state_fields(operator, x.n_seq, x.H, x.H, x.K, x.V, normalize)
     state0 = _unpack_state(initial_state, fields, x.q)
     if sp is not None:

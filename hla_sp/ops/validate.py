@@ -57,6 +57,34 @@ def check_qkv(
     return q, k, v
 
 
+def check_bool(name: str, value: object) -> bool:
+    """A plain bool option."""
+    if not isinstance(value, bool):
+        _fail(TypeError, name, "a bool", type(value).__name__)
+    return value  # type: ignore[return-value]
+
+
+def check_nonneg(name: str, value: object) -> float:
+    """A float option >= 0 (eps, ridge)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        _fail(ValueError, name, "a float >= 0", repr(value))
+    return float(value)  # type: ignore[arg-type]
+
+
+def check_pos_int(name: str, value: object) -> int:
+    """A positive int (sizes, head counts)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        _fail(ValueError, name, "a positive int", repr(value))
+    return value  # type: ignore[return-value]
+
+
+def check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
+    """One of a fixed set of names."""
+    if not isinstance(value, str) or value not in choices:
+        _fail(ValueError, name, f"one of {choices}", repr(value))
+    return value  # type: ignore[return-value]
+
+
 def check_scale(scale: float | None, head_dim: int) -> float:
     """Return the query scale, defaulting to K ** -0.5."""
     if scale is None:
