@@ -169,3 +169,106 @@ def test_backend_variable(monkeypatch):
     monkeypatch.setenv("HLA_SP_BACKEND", "torch")
     o, _ = hla_sp.linear_attention(q, k, v)
     assert o.shape == (1, 8, 2, 3)
+
+
+@pytest.mark.parametrize("name", list(OPERATORS))
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "words"),
+    [
+        ({"scale": float("nan")}, ValueError, ["scale", "finite", "nan"]),
+        ({"scale": float("inf")}, ValueError, ["scale", "finite", "inf"]),
+        ({"output_final_state": "no"}, TypeError, ["output_final_state", "bool", "str"]),
+        ({"output_final_state": 1}, TypeError, ["output_final_state", "bool", "int"]),
+    ],
+    ids=["scale_nan", "scale_inf", "final_str", "final_int"],
+)
+def test_options_checked_by_name(name, kwargs, exc, words):
+    q, k, v = _qkv()
+    with pytest.raises(exc) as info:
+        OPERATORS[name](q, k, v, **kwargs)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"ridge": float("nan")}, ["ridge", "finite float >= 0", "nan"]),
+        ({"ridge": float("inf")}, ["ridge", "finite float >= 0", "inf"]),
+        ({"eps": float("inf")}, ["eps", "finite float >= 0", "inf"]),
+        ({"eps": float("nan"), "normalize": True}, ["eps", "finite float >= 0", "nan"]),
+    ],
+    ids=["ridge_nan", "ridge_inf", "eps_inf", "eps_nan"],
+)
+def test_hla2_float_options_finite(kwargs, words):
+    q, k, v = _qkv()
+    with pytest.raises(ValueError) as info:
+        hla_sp.hla2(q, k, v, **kwargs)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+
+
+def test_too_long_state_tuple_is_a_clear_error():
+    """(S0, H0, None, None) used to raise an IndexError while building its own message."""
+    q, k, v = _qkv()
+    S, H = torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 4, 3)
+    with pytest.raises(ValueError) as info:
+        hla_sp.hla2(q, k, v, initial_state=(S, H, None, None))
+    msg = str(info.value)
+    for w in ["initial_state", "at most 3 fields", "S, H, eta", "tuple of 4"]:
+        assert w in msg, (w, msg)
+
+
+def test_v_without_features_is_reported_against_v():
+    q, k, v = _qkv(V=0)
+    for fn in OPERATORS.values():
+        with pytest.raises(ValueError) as info:
+            fn(q, k, v)
+        assert str(info.value).startswith("v: expected a non-zero value dim V"), str(info.value)
+
+
+def test_chunk_size_capped_at_sequence_length(monkeypatch):
+    """A chunk far longer than T is cut to the least power of two >= T, same result
+    (chunk 2^20 at T=16 used to allocate 1 TiB)."""
+    import importlib
+
+    la = importlib.import_module("hla_sp.ops.linear_attention")
+    seen: list[int] = []
+    real = la.local_primitive
+
+    def spy(*a, **kw):
+        seen.append(kw["chunk_size"])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(la, "local_primitive", spy)
+    q, k, v = _qkv(T=13, dtype=torch.float64)
+    g = -torch.rand(1, 13, 2, dtype=torch.float64)
+    o_big, _ = hla_sp.hla2(q, k, v, log_decay=g, chunk_size=2**20)
+    o_16, _ = hla_sp.hla2(q, k, v, log_decay=g, chunk_size=16)
+    assert seen and set(seen) == {16}, seen
+    torch.testing.assert_close(o_big, o_16, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("op", ["hla2", "hla3"])
+def test_non_symmetric_key_moment_refused(op):
+    """S is symmetric by construction and the operators read S q = S^T q only then."""
+    q, k, v = _qkv()
+    S = torch.randn(1, 2, 4, 4)
+    S = S + S.transpose(-1, -2)
+    rest = [torch.zeros(1, 2, 4, 3)] * (1 if op == "hla2" else 2)
+    OPERATORS[op](q, k, v, initial_state=(S, *rest))  # symmetric: accepted
+    S_bad = S.clone()
+    S_bad[0, 1, 0, 2] += 1.0
+    with pytest.raises(ValueError) as info:
+        OPERATORS[op](q, k, v, initial_state=(S_bad, *rest))
+    msg = str(info.value)
+    for w in ["initial_state.S", "symmetric", "max |S - S^T| = 1", "[n, h] = [0, 1]"]:
+        assert w in msg, (w, msg)
+
+
+def test_returned_state_passes_the_symmetry_check():
+    """A final S from a long fp32 call (summed in chunks) is accepted back."""
+    q, k, v = _qkv(T=300, K=16, V=8)
+    g = -0.01 * torch.rand(1, 300, 2)
+    _, st = hla_sp.hla2(q, k, v, log_decay=g, output_final_state=True, chunk_size=16)
+    hla_sp.hla2(q, k, v, log_decay=g, initial_state=st, chunk_size=16)

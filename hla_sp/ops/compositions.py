@@ -54,34 +54,7 @@ def _unpack_state(
     state: object, fields: dict[str, tuple[int, ...] | None], q: torch.Tensor
 ) -> list[torch.Tensor | None]:
     """Check a state tuple field by field; a None shape means the field must be absent."""
-    if state is None:
-        return [None] * len(fields)
-    names = list(fields)
-    if not isinstance(state, (tuple, list)):
-        raise TypeError(
-            f"initial_state: expected a tuple or list ({', '.join(names)}), "
-            f"got {type(state).__name__}"
-        )
-    want = [n for n in names if fields[n] is not None]
-    given = list(state) + [None] * (len(names) - len(state))
-    if len(state) > len(names) or any(given[names.index(n)] is None for n in want):
-        raise ValueError(
-            f"initial_state: expected the fields ({', '.join(want)}), got a tuple of "
-            f"{len(state)} with None at "
-            f"{[names[i] for i, x in enumerate(given) if x is None]}"
-        )
-    out = []
-    for name, x in zip(names, given):
-        shape = fields[name]
-        if shape is None:
-            if x is not None:
-                raise ValueError(
-                    f"initial_state.{name}: expected None for these options, got a tensor"
-                )
-            out.append(None)
-        else:
-            out.append(validate.check_state(f"initial_state.{name}", x, shape, q))
-    return out
+    return validate.check_state_tuple(state, fields, q)
 
 
 # A stage: (q [B, T, Hq, K], keys, values, h0) -> (out, final state or None). The log-decay,
@@ -189,7 +162,7 @@ def _run(
     """Validate, then run :func:`compose` with the primitive as every stage."""
     x = validate.check_inputs(
         q, k, v, log_decay=log_decay, scale=scale, cu_seqlens=cu_seqlens, sp=sp,
-        chunk_size=chunk_size,
+        chunk_size=chunk_size, output_final_state=output_final_state,
     )
     normalize = validate.check_bool("normalize", normalize)
     ridge = validate.check_nonneg("ridge", ridge)
@@ -238,7 +211,8 @@ def hla2(
         normalize: divide by den_t = q_t^T eta_t (eps added). den can be negative or
             near zero: that is the paper's definition, kept as is.
         ridge: lambda of the paper's S + lambda I.
-        initial_state: :class:`HLA2State` (eta required iff ``normalize``).
+        initial_state: :class:`HLA2State` (eta required iff ``normalize``); S must be
+            symmetric, as every S the operators return (a non-symmetric one is refused).
         Other keywords as in :func:`hla_sp.linear_attention`.
 
     Returns:

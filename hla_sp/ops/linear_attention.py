@@ -153,7 +153,8 @@ def linear_attention(
         output_final_state: also return the final state (same shape, fp32 or fp64).
         cu_seqlens: [N + 1] offsets of packed documents (B == 1).
         sp: a :class:`hla_sp.SequenceParallel`; each rank passes its shard.
-        chunk_size: chunk length of the chunk-parallel path (a power of two).
+        chunk_size: chunk length of the chunk-parallel path (a power of two; capped at
+            the least power of two >= T, which gives the same result).
 
     Returns:
         (o [B, T, H, V] in q's dtype, final state or None)
@@ -167,6 +168,7 @@ def linear_attention(
         cu_seqlens=cu_seqlens,
         sp=sp,
         chunk_size=chunk_size,
+        output_final_state=output_final_state,
     )
     shape = (inputs.n_seq, inputs.H, inputs.K, inputs.V)
     h0 = validate.check_state("initial_state", initial_state, shape, inputs.q)

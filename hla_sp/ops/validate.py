@@ -6,6 +6,8 @@ was expected and what was received.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -52,8 +54,10 @@ def check_qkv(
             _fail(ValueError, name, f"device {q.device} (the device of q)", x.device)
     if q.shape[1] == 0 and not allow_empty:
         _fail(ValueError, "q", "a sequence length T >= 1", "T = 0")
-    if q.shape[0] == 0 or q.shape[2] == 0 or q.shape[3] == 0 or v.shape[3] == 0:
-        _fail(ValueError, "q", "non-zero B, H, K and V", f"q {tuple(q.shape)}, v {tuple(v.shape)}")
+    if q.shape[0] == 0 or q.shape[2] == 0 or q.shape[3] == 0:
+        _fail(ValueError, "q", "non-zero B, H and K", f"shape {tuple(q.shape)}")
+    if v.shape[3] == 0:
+        _fail(ValueError, value_name, "a non-zero value dim V", f"shape {tuple(v.shape)}")
     return q, k, v
 
 
@@ -65,9 +69,11 @@ def check_bool(name: str, value: object) -> bool:
 
 
 def check_nonneg(name: str, value: object) -> float:
-    """A float option >= 0 (eps, ridge)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        _fail(ValueError, name, "a float >= 0", repr(value))
+    """A finite float option >= 0 (eps, ridge): inf or NaN would make every output NaN or 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(TypeError, name, "a finite float >= 0", type(value).__name__)
+    if not (value >= 0 and math.isfinite(value)):  # type: ignore[operator,arg-type]
+        _fail(ValueError, name, "a finite float >= 0", repr(value))
     return float(value)  # type: ignore[arg-type]
 
 
@@ -91,6 +97,8 @@ def check_scale(scale: float | None, head_dim: int) -> float:
         return head_dim**-0.5
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         _fail(TypeError, "scale", "a float or None", type(scale).__name__)
+    if not math.isfinite(scale):
+        _fail(ValueError, "scale", "a finite float or None", repr(scale))
     return float(scale)
 
 
@@ -201,14 +209,82 @@ def check_state(
     return x
 
 
-def check_chunk_size(chunk_size: object) -> int:
-    """Chunk length of the chunk-parallel path: a positive power of two."""
+def check_chunk_size(chunk_size: object, T: int | None = None) -> int:
+    """Chunk length of the chunk-parallel path: a positive power of two.
+
+    Given the sequence length ``T``, the result is capped at the least power of two
+    >= T: one chunk holds the whole sequence either way, so the result is the same,
+    and a huge chunk_size does not allocate chunk_size^2 scores.
+    """
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
         _fail(TypeError, "chunk_size", "an int", type(chunk_size).__name__)
     assert isinstance(chunk_size, int)
     if chunk_size < 1 or chunk_size & (chunk_size - 1):
         _fail(ValueError, "chunk_size", "a positive power of two", chunk_size)
+    if T is not None:
+        chunk_size = min(chunk_size, 1 << max(T - 1, 0).bit_length())
     return chunk_size
+
+
+def check_symmetric(name: str, x: torch.Tensor) -> None:
+    """A key moment S0 [..., K, K] must be symmetric: S_t = sum exp(.) k k^T is, and the
+    operators read S q = S^T q only for a symmetric S. Checked per matrix, to a rounding
+    tolerance (sqrt(eps) of the matrix's largest entry), so a state returned by an
+    earlier call, summed in another order, passes."""
+    if x.numel() == 0 or torch.compiler.is_compiling():
+        return  # .item() would break the graph; states made by the operators are symmetric
+    xd = x.detach()
+    asym = (xd - xd.transpose(-1, -2)).abs().amax(dim=(-2, -1))
+    tol = torch.finfo(xd.dtype).eps ** 0.5 * xd.abs().amax(dim=(-2, -1))
+    bad = ~(asym <= tol)  # NaN counts as bad
+    if bad.any():
+        idx = tuple(int(i) for i in torch.nonzero(bad)[0].tolist())
+        _fail(
+            ValueError,
+            name,
+            "a symmetric key moment (S == S^T, as every state the operators return)",
+            f"max |S - S^T| = {asym[idx].item():.3g} against max |S| = "
+            f"{xd.abs().amax(dim=(-2, -1))[idx].item():.3g} at [n, h] = {list(idx)}",
+        )
+
+
+def check_state_tuple(
+    state: object, fields: Mapping[str, tuple[int, ...] | None], q: torch.Tensor
+) -> list[torch.Tensor | None]:
+    """An operator's initial state, field by field (a None shape: absent for these options).
+
+    A field named ``S`` (the key moment) must also be symmetric.
+    """
+    names = list(fields)
+    if state is None:
+        return [None] * len(names)
+    if not isinstance(state, (tuple, list)):
+        _fail(TypeError, "initial_state", f"a tuple or list ({', '.join(names)})",
+              type(state).__name__)
+    assert isinstance(state, (tuple, list))
+    want = [n for n in names if fields[n] is not None]
+    if len(state) > len(names):
+        _fail(ValueError, "initial_state", f"a tuple of at most {len(names)} fields "
+              f"({', '.join(names)})", f"a {type(state).__name__} of {len(state)}")
+    given = list(state) + [None] * (len(names) - len(state))
+    missing = [n for n, x in zip(names, given) if x is None and fields[n] is not None]
+    if missing:
+        _fail(ValueError, "initial_state", f"the fields ({', '.join(want)})",
+              f"a tuple of {len(state)} with None at {missing}")
+    out: list[torch.Tensor | None] = []
+    for name, x in zip(names, given):
+        shape = fields[name]
+        if shape is None:
+            if x is not None:
+                _fail(ValueError, f"initial_state.{name}", "None for these options", "a tensor")
+            out.append(None)
+            continue
+        t = check_state(f"initial_state.{name}", x, shape, q)
+        assert t is not None
+        if name == "S":
+            check_symmetric(f"initial_state.{name}", t)
+        out.append(t)
+    return out
 
 
 @dataclass(frozen=True)
@@ -241,6 +317,7 @@ def check_inputs(
     sp: object,
     chunk_size: object,
     value_name: str = "v",
+    output_final_state: object = False,
 ) -> Inputs:
     """Every single-process check of a public call, in one place.
 
@@ -253,6 +330,7 @@ def check_inputs(
     sc = check_scale(scale, K)  # type: ignore[arg-type]
     g = check_log_decay(log_decay, q)
     cu = check_cu_seqlens(cu_seqlens, q, total=None if sp is not None else T)
-    cs = check_chunk_size(chunk_size)
+    cs = check_chunk_size(chunk_size, T)
+    check_bool("output_final_state", output_final_state)
     n_seq = B if cu is None else cu.numel() - 1
     return Inputs(q, k, v, g, cu, sc, cs, B, T, H, K, v.shape[-1], n_seq)
