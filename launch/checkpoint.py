@@ -16,6 +16,9 @@ reseeded, with a warning).
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import glob
 import os
 import random
 import shutil
@@ -29,26 +32,79 @@ import torch.distributed as dist
 LATEST = "latest_checkpointed_iteration.txt"
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint file that cannot be read; the message names the file."""
+
+
 def iter_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
+def _write_error(e: OSError, path: str) -> OSError:
+    """The same OSError with the file named: a write to an open file (torch.save into
+    ``f``) reports ENOSPC or EIO without a path, and a full disk must say which one."""
+    if e.filename:
+        return e
+    code = e.errno if e.errno is not None else errno.EIO
+    what = "disk full (ENOSPC)" if code == errno.ENOSPC else os.strerror(code)
+    return OSError(code, f"{what} while writing the checkpoint file", path)
+
+
 def _atomic_write_bytes(path: str, data: bytes) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise _write_error(e, path) from e
     os.replace(tmp, path)
 
 
 def _atomic_torch_save(obj: Any, path: str) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise _write_error(e, path) from e
+    except RuntimeError as e:  # torch.save wraps the file's OSError in a RuntimeError
+        cause = e.__cause__ or e.__context__
+        if isinstance(cause, OSError):
+            raise _write_error(cause, path) from e
+        raise
     os.replace(tmp, path)
+
+
+def _remove_leftovers(root: str) -> None:
+    """Delete what interrupted saves left behind: ``iter_*.tmp`` directories and
+    ``latest`` temporaries. Only rank 0 calls it, between barriers, so no live save
+    of this run can be writing them."""
+    for d in glob.glob(os.path.join(glob.escape(root), "iter_*.tmp")):
+        shutil.rmtree(d, ignore_errors=True)
+    for f in glob.glob(os.path.join(glob.escape(root), LATEST + ".tmp*")):
+        with contextlib.suppress(OSError):
+            os.remove(f)
+
+
+def _torch_load(path: str, what: str) -> dict[str, Any]:
+    """torch.load with errors that name the file (an empty file is a bare EOFError)."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: missing ({what})")
+    try:
+        out = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(
+            f"{path}: cannot read the {what} ({os.path.getsize(path)} bytes; "
+            f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}); "
+            f"the file is truncated or corrupt: resume from another iteration with --ckpt-step"
+        ) from e
+    if not isinstance(out, dict):
+        raise CheckpointError(f"{path}: expected a dict ({what}), got {type(out).__name__}")
+    return out
 
 
 def _fsync_dir(path: str) -> None:
@@ -102,7 +158,7 @@ def save(
     tmp = final + ".tmp"
     if rank == 0:
         os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
+        _remove_leftovers(root)  # of crashed saves, at any iteration (this one included)
         os.makedirs(tmp)
     dist.barrier()
     if writes_model:
@@ -139,8 +195,16 @@ def latest_iteration(root: str) -> int | None:
     path = os.path.join(root, LATEST)
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        return int(f.read().strip())
+    with open(path, "rb") as f:
+        raw = f.read(64)
+    text = raw.decode("ascii", errors="replace").strip()
+    if not text.isdigit():
+        raise CheckpointError(
+            f"{path}: expected the number of the latest complete iteration (written by "
+            f"--save), got {raw!r}; pass --ckpt-step N to pick an iter_ directory, or "
+            f"delete the file"
+        )
+    return int(text)
 
 
 def load(
@@ -163,20 +227,38 @@ def load(
     d = iter_dir(root, it)
     if not os.path.isdir(d):
         raise FileNotFoundError(f"--load {root}: no complete checkpoint {d}")
-    state = torch.load(
-        os.path.join(d, f"model_optim_tp{tp_rank:02d}.pt"), map_location="cpu", weights_only=True
+    state = _torch_load(
+        os.path.join(d, f"model_optim_tp{tp_rank:02d}.pt"), "model and optimizer state"
     )
+    missing = [k for k in ("model", "optimizer", "scheduler", "iteration", "consumed_samples",
+                           "world_size") if k not in state]
+    if missing:
+        raise CheckpointError(
+            f"{os.path.join(d, f'model_optim_tp{tp_rank:02d}.pt')}: missing entries {missing}"
+        )
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     rng_path = os.path.join(d, f"rng_rank{rank:05d}.pt")
-    if state["world_size"] == world_size and os.path.isfile(rng_path):
-        set_rng_state(torch.load(rng_path, map_location="cpu", weights_only=True)["rng"])
-    else:
+    if state["world_size"] != world_size:
         warnings.warn(
             f"checkpoint {d} was written by {state['world_size']} ranks, this run has "
             f"{world_size}: model, optimizer, scheduler and data position resume, RNG "
-            f"streams are reseeded (dropout masks will differ from an uninterrupted run)",
+            f"streams are reseeded, so the resume is not bitwise (dropout masks will differ "
+            f"from an uninterrupted run)",
             stacklevel=2,
         )
+    elif not os.path.isfile(rng_path):
+        warnings.warn(
+            f"{rng_path} is missing (rank {rank}'s RNG state): model, optimizer, scheduler "
+            f"and data position resume, but this rank's RNG streams are reseeded, so the "
+            f"resume is no longer bitwise (dropout masks will differ from an uninterrupted "
+            f"run)",
+            stacklevel=2,
+        )
+    else:
+        rng = _torch_load(rng_path, f"RNG state of rank {rank}")
+        if "rng" not in rng:
+            raise CheckpointError(f"{rng_path}: no 'rng' entry (keys {sorted(rng)})")
+        set_rng_state(rng["rng"])
     return {"iteration": state["iteration"], "consumed_samples": state["consumed_samples"]}

@@ -47,6 +47,23 @@ def torchrun_command(launch: argparse.Namespace, trainer_argv: list[str]) -> lis
     return cmd
 
 
+def _check_launch(launch: argparse.Namespace) -> int:
+    """The launcher's own flags, named; returns the (maximum) number of nodes."""
+    if launch.nproc_per_node < 1:
+        raise ConfigError(f"--nproc-per-node: expected >= 1, got {launch.nproc_per_node}")
+    parts = launch.nnodes.split(":")
+    if len(parts) > 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise ConfigError(f"--nnodes: expected N or MIN:MAX with N >= 1, got {launch.nnodes!r}")
+    if len(parts) == 2 and int(parts[0]) > int(parts[1]):
+        raise ConfigError(f"--nnodes: expected MIN <= MAX, got {launch.nnodes!r}")
+    nnodes = int(parts[-1])
+    if launch.node_rank is not None and not 0 <= launch.node_rank < nnodes:
+        raise ConfigError(f"--node-rank: expected 0 <= rank < {nnodes}, got {launch.node_rank}")
+    if launch.max_restarts < 0:
+        raise ConfigError(f"--max-restarts: expected >= 0, got {launch.max_restarts}")
+    return nnodes
+
+
 def _train(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(
         prog="hla-sp train",
@@ -66,7 +83,7 @@ def _train(argv: list[str]) -> int:
     if rest[:1] == ["--"]:
         rest = rest[1:]
     try:
-        nnodes = int(launch.nnodes.split(":")[-1])
+        nnodes = _check_launch(launch)
         validate(parse_args(rest), launch.nproc_per_node * nnodes)
         cmd = torchrun_command(launch, rest)
     except ConfigError as e:

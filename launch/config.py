@@ -260,12 +260,69 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+# Ranges of the numeric flags, checked before anything divides by them. (lo, hi):
+# "[" / "(" closed / open ends; None: unbounded. Optional (None) values are skipped.
+_RANGES: dict[str, tuple[str, float | None, float | None, str]] = {
+    "num_layers": ("[", 1, None, "]"),
+    "hidden_size": ("[", 1, None, "]"),
+    "num_attention_heads": ("[", 1, None, "]"),
+    "num_query_groups": ("[", 1, None, "]"),
+    "ffn_hidden_size": ("[", 1, None, "]"),
+    "max_position_embeddings": ("[", 1, None, "]"),
+    "vocab_size": ("[", 1, None, "]"),
+    "make_vocab_size_divisible_by": ("[", 1, None, "]"),
+    "hidden_dropout": ("[", 0, 1, ")"),
+    "attention_dropout": ("[", 0, 1, ")"),
+    "init_method_std": ("(", 0, None, "]"),
+    "micro_batch_size": ("[", 1, None, "]"),
+    "global_batch_size": ("[", 1, None, "]"),
+    "lr": ("[", 0, None, "]"),
+    "min_lr": ("[", 0, None, "]"),
+    "lr_warmup_iters": ("[", 0, None, "]"),
+    "lr_decay_iters": ("[", 1, None, "]"),
+    "weight_decay": ("[", 0, None, "]"),
+    "adam_beta1": ("[", 0, 1, ")"),
+    "adam_beta2": ("[", 0, 1, ")"),
+    "adam_eps": ("(", 0, None, "]"),
+    "clip_grad": ("[", 0, None, "]"),
+    "seed": ("[", 0, 2**32 - 1, "]"),
+    "context_parallel_size": ("[", 1, None, "]"),
+    "tensor_model_parallel_size": ("[", 1, None, "]"),
+    "distributed_timeout_minutes": ("(", 0, None, "]"),
+    "ckpt_step": ("[", 0, None, "]"),
+}
+
+
+def _check_ranges(cfg: TrainConfig) -> None:
+    """Every numeric flag finite and in its range, named as on the command line."""
+    import math
+
+    for name, (lb, lo, hi, rb) in _RANGES.items():
+        v = getattr(cfg, name)
+        if v is None:
+            continue
+        ok = isinstance(v, (int, float)) and math.isfinite(v)
+        ok = ok and (v >= lo if lb == "[" else v > lo)  # type: ignore[operator]
+        if hi is not None:
+            ok = ok and (v <= hi if rb == "]" else v < hi)
+        if not ok:
+            want = f"{lb}{lo}, {'inf' if hi is None else hi}{rb}"
+            raise ConfigError(
+                f"--{name.replace('_', '-')}: expected a finite value in {want}, got {v!r}"
+            )
+
+
 def validate(cfg: TrainConfig, world_size: int) -> None:
     """Reject configs that cannot run on ``world_size`` ranks; say what to change.
 
     Pure: touches no process group, so torchrun's workers (and ``hla-sp train``, before
     it starts torchrun) call it first.
     """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(
+            f"world size: expected >= 1 process (--nproc-per-node x --nnodes), got {world_size!r}"
+        )
+    _check_ranges(cfg)
     cp, tp = cfg.context_parallel_size, cfg.tensor_model_parallel_size
     if cp < 1 or tp < 1:
         raise ConfigError("--context-parallel-size and --tensor-model-parallel-size must be >= 1")
@@ -341,6 +398,8 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     if cfg.data_path:
         if cfg.data != "text":
             raise ConfigError("--data-path goes with --data text; drop one of them.")
+        from hla_sp.launch.data import DatasetError, check_indexed_dataset
+
         for prefix in cfg.data_path:
             for ext in (".bin", ".idx"):
                 if not os.path.isfile(prefix + ext):
@@ -350,6 +409,10 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
                         f"`python -m hla_sp.launch.make_dataset --input FILES --output-prefix "
                         f"{prefix}`, or omit --data-path to train on the built-in text."
                     )
+            try:
+                check_indexed_dataset(prefix)
+            except DatasetError as e:
+                raise ConfigError(f"--data-path {prefix}: {e}") from None
     if cfg.data == "synthetic-recall":
         from hla_sp.launch.data import recall_layout_error
 
@@ -361,6 +424,13 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             f"--load {cfg.load}: no such directory. Point it at a --save directory of an "
             f"earlier run, or drop --load to start fresh."
         )
+    if cfg.load is not None and cfg.ckpt_step is None:
+        from hla_sp.launch.checkpoint import CheckpointError, latest_iteration
+
+        try:
+            latest_iteration(cfg.load)  # a garbage `latest` file fails here, not at step 0
+        except CheckpointError as e:
+            raise ConfigError(f"--load {cfg.load}: {e}") from None
     for name in ("save_interval", "exit_interval", "log_interval"):
         v = getattr(cfg, name)
         if v is not None and v < 1:

@@ -11,6 +11,7 @@ Tokens are byte-level for the built-in sources: ids 0..255 are bytes and
 from __future__ import annotations
 
 import os
+import struct
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -61,6 +62,72 @@ def builtin_text_tokens(min_tokens: int, budget: int = 8 << 20) -> np.ndarray:
     return np.concatenate(parts)
 
 
+class DatasetError(ValueError):
+    """A Megatron indexed dataset file that cannot be read; the message names the file."""
+
+
+_IDX_MAGIC = b"MMIDIDX\x00\x00"
+_IDX_HEADER = 34  # magic 9, version 8, dtype code 1, sequence count 8, document count 8
+# megatron.core.datasets.indexed_dataset.DType codes -> item size in bytes
+_DTYPE_SIZES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}
+
+
+def check_indexed_dataset(prefix: str) -> None:
+    """Check PREFIX.idx and PREFIX.bin before any process starts: both present, the index
+    complete, the token file exactly as long as the index says. Reads only the header,
+    the last sequence's length and pointer, and the two file sizes (no megatron import).
+
+    Raises :class:`DatasetError` naming the file and what is wrong with it.
+    """
+    idx, bin_ = prefix + ".idx", prefix + ".bin"
+    for path in (bin_, idx):
+        if not os.path.isfile(path):
+            raise DatasetError(f"{path}: not found")
+    size = os.path.getsize(idx)
+    if size == 0:
+        raise DatasetError(f"{idx}: empty file (0 bytes); rebuild the dataset")
+    with open(idx, "rb") as f:
+        head = f.read(_IDX_HEADER)
+        if len(head) < _IDX_HEADER or head[:9] != _IDX_MAGIC:
+            raise DatasetError(
+                f"{idx}: not a Megatron indexed-dataset index (expected the MMIDIDX header of "
+                f"{_IDX_HEADER} bytes, got {size} bytes starting {head[:9]!r})"
+            )
+        code = head[17]
+        n_seq, n_doc = struct.unpack("<QQ", head[18:34])
+        if code not in _DTYPE_SIZES:
+            raise DatasetError(f"{idx}: unknown token dtype code {code}")
+        want = _IDX_HEADER + n_seq * (4 + 8) + n_doc * 8
+        if size < want:
+            raise DatasetError(
+                f"{idx}: truncated: {n_seq} sequences and {n_doc} documents need {want} bytes, "
+                f"the file has {size}; rebuild the dataset"
+            )
+        last_len = last_ptr = 0
+        if n_seq:
+            f.seek(_IDX_HEADER + (n_seq - 1) * 4)
+            (last_len,) = struct.unpack("<i", f.read(4))
+            f.seek(_IDX_HEADER + n_seq * 4 + (n_seq - 1) * 8)
+            (last_ptr,) = struct.unpack("<q", f.read(8))
+    item = _DTYPE_SIZES[code]
+    need = last_ptr + last_len * item
+    have = os.path.getsize(bin_)
+    if have == 0 and need > 0:
+        raise DatasetError(f"{bin_}: empty file (0 bytes), but {idx} indexes {need} bytes")
+    if have % item:
+        raise DatasetError(
+            f"{bin_}: {have} bytes is not a whole number of {item}-byte tokens (truncated "
+            f"mid-token); {idx} indexes {need} bytes"
+        )
+    if have < need:
+        raise DatasetError(
+            f"{bin_}: truncated: {idx} indexes {need} bytes ({need // item} tokens), the file "
+            f"has {have}; rebuild the dataset"
+        )
+    if need == 0:
+        raise DatasetError(f"{idx}: indexes no tokens ({n_seq} sequences); nothing to train on")
+
+
 class IndexedTokens:
     """A Megatron indexed dataset (or several), read as one stream of tokens.
 
@@ -71,6 +138,8 @@ class IndexedTokens:
     def __init__(self, prefixes: list[str]):
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+        for p in prefixes:
+            check_indexed_dataset(p)
         self.datasets = [IndexedDataset(p) for p in prefixes]
         # (dataset, sequence) in order, and where each starts in the stream
         self._seq: list[tuple[int, int]] = []

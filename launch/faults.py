@@ -16,6 +16,7 @@ at the start of iteration ITER, ``kill`` itself (SIGKILL), ``hang`` (sleep forev
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -29,8 +30,13 @@ from typing import Any
 import torch.distributed as dist
 
 _PREFIX = "hla_sp/heartbeat/"
+_FAILED = "hla_sp/failed/"  # a rank that stops on its own error says why, for its peers
 BEAT_S = 0.5
 _diagnosing = False
+# (last finished iteration, monotonic time it finished): a failure says how long into
+# the next iteration it came, which is the real elapsed time, whatever timeout a
+# message mentions.
+_progress: tuple[int, float] = (0, time.monotonic())
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
@@ -76,8 +82,10 @@ class Heartbeat:
     where the main thread is (so that a hung rank can be told from its waiting peers)."""
 
     def __init__(self, rank: int):
+        global _progress
         self.rank = rank
         self.iteration = 0
+        _progress = (0, time.monotonic())
         self._beat = 0
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -96,7 +104,9 @@ class Heartbeat:
 
     def progress(self, iteration: int) -> None:
         """Record a finished iteration now (a lagging rank is named by its iteration)."""
+        global _progress
         self.iteration = iteration
+        _progress = (iteration, time.monotonic())
         if self._store is not None:
             with contextlib.suppress(Exception):
                 self._write()
@@ -112,10 +122,12 @@ class Heartbeat:
         self._stop.set()
 
 
-def _read(store: Any, world_size: int) -> dict[int, dict[str, Any] | None]:
+def _read(
+    store: Any, world_size: int, prefix: str = _PREFIX
+) -> dict[int, dict[str, Any] | None]:
     out: dict[int, dict[str, Any] | None] = {}
     for r in range(world_size):
-        key = f"{_PREFIX}{r}"
+        key = f"{prefix}{r}"
         try:
             out[r] = json.loads(store.get(key)) if store.check([key]) else None
         except Exception:
@@ -140,16 +152,21 @@ def diagnose(rank: int, world_size: int, self_in_collective: bool = True) -> str
     if all(v is None for v in second.values()):
         return "the rendezvous store is unreachable (its host may have died); check every rank"
     peers = [r for r in range(world_size) if r != rank]
+    failed = {r: v for r, v in _read(store, world_size, _FAILED).items() if v and r != rank}
     dead = [
         r
         for r in peers
-        if second[r] is None or first[r] is None or second[r]["beat"] == first[r]["beat"]
+        if r not in failed
+        and (second[r] is None or first[r] is None or second[r]["beat"] == first[r]["beat"])
     ]
-    alive = {r: second[r] for r in peers if r not in dead}
+    alive = {r: second[r] for r in peers if r not in dead and r not in failed and second[r]}
     top = max((v["it"] for v in alive.values()), default=0)
     waiting = self_in_collective or any(v["coll"] for v in alive.values())
     stuck = [r for r, v in alive.items() if v["it"] < top or (waiting and not v["coll"])]
-    parts = []
+    parts = [
+        f"rank {r} stopped on its own error at iteration {v['it'] + 1}: {v['error']}"
+        for r, v in sorted(failed.items())
+    ]
     if dead:
         last = {r: (first[r]["it"] if first[r] else "?") for r in dead}
         parts.append(
@@ -166,24 +183,84 @@ def diagnose(rank: int, world_size: int, self_in_collective: bool = True) -> str
             + " are alive but stuck outside the collective the others wait in"
         )
     return "; ".join(parts) or (
-        "every rank still beats and none lags; the error is in the collective itself "
-        "(network, or ranks calling different collectives)"
+        "no peer died, failed or lags (every rank still beats), so the collective itself "
+        "failed (network, or ranks calling different collectives)"
     )
+
+
+def _chain(err: BaseException) -> list[BaseException]:
+    """``err`` and the exceptions it was raised from, outermost first."""
+    out: list[BaseException] = []
+    e: BaseException | None = err
+    while e is not None and e not in out:
+        out.append(e)
+        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+    return out
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _describe(e: BaseException) -> str:
+    """One line for an exception; a disk-full error names ENOSPC and its file."""
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        where = f" writing {e.filename}" if e.filename else ""
+        return f"OSError: ENOSPC (no space left on device){where}"
+    return f"{type(e).__name__}: {_first_line(e)}"
+
+
+def _is_collective_error(chain: list[BaseException]) -> bool:
+    """Did the error come out of a collective (a peer's fault is then possible)?"""
+    for e in chain:
+        if isinstance(e, dist.DistError):
+            return True
+        tb = traceback.extract_tb(e.__traceback__)
+        if any(f"torch{os.sep}distributed{os.sep}" in fr.filename for fr in tb):
+            return True
+    return False
 
 
 def report_failure(rank: int, world_size: int, err: BaseException) -> str:
-    """Print at once that this rank stopped, then which peers failed; return the latter."""
+    """Print why this rank stopped, the root cause first; return the last line printed.
+
+    Only an error that came out of a collective can be a peer's fault: then the
+    heartbeats say which peer died, failed or hangs (the "diagnosis" line). An error of
+    this rank's own (bad data, a checkpoint, a full disk, NaN) is published to the store
+    so that the peers, which see only a broken collective, can name it.
+    """
     global _diagnosing
     _diagnosing = True
-    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    chain = _chain(err)
+    root = next((e for e in chain if isinstance(e, OSError) and e.errno == errno.ENOSPC),
+                chain[-1])
+    it, since = _progress
+    elapsed = time.monotonic() - since
+    where = f"{elapsed:.1f} s into iteration {it + 1}"
     print(
-        f"[hla-sp] rank {rank}/{world_size}: training stopped by {type(err).__name__}: {first}",
+        f"[hla-sp] rank {rank}/{world_size}: training stopped by {_describe(root)} ({where})",
         file=sys.stderr,
         flush=True,
     )
-    tb = traceback.extract_tb(err.__traceback__)
-    in_collective = any(f"torch{os.sep}distributed{os.sep}" in fr.filename for fr in tb)
-    msg = f"[hla-sp] rank {rank}: diagnosis: {diagnose(rank, world_size, in_collective)}"
+    if root is not err:
+        print(
+            f"[hla-sp] rank {rank}: raised as {_describe(err)}",
+            file=sys.stderr,
+            flush=True,
+        )
+    if _is_collective_error(chain):
+        msg = f"[hla-sp] rank {rank}: diagnosis: {diagnose(rank, world_size, True)}"
+    else:
+        store = _store()
+        if store is not None:
+            with contextlib.suppress(Exception):
+                store.set_timeout(timedelta(seconds=5))
+                store.set(f"{_FAILED}{rank}", json.dumps({"it": it, "error": _describe(root)}))
+        msg = (
+            f"[hla-sp] rank {rank}: this rank's own error (not a peer's, not the network); "
+            f"the other ranks stop when they next wait for it"
+        )
     print(msg, file=sys.stderr, flush=True)
     return msg
 
