@@ -1,4 +1,17 @@
-"""A reusable pool of gloo ranks for multi-process tests and benchmarks on CPU.
+"""Shared test tooling: rounding-error bounds, and a pool of gloo ranks.
+
+**Rounding-error bounds.** A low-precision result is checked against an fp64
+reference with a bound from the condition of the computation, never from one
+machine's own result: a value computed as a sum of products, each term passing
+through at most ``n`` roundings of unit roundoff ``u``, errs by at most
+``n * u * M`` (Higham's gamma_n, first order), where ``M`` is the sum of the
+magnitudes of its terms, which is the same computation evaluated in fp64 on the
+absolute values of the inputs (decay weights are positive already). The bound holds
+for every summation order, blocking, FMA use and thread count, so it holds on any
+machine. :func:`rounding_bound` and :func:`assert_within_rounding` implement it;
+:func:`decay_grad_magnitude` gives ``M`` for a log-decay gradient.
+
+**Worlds.** A reusable pool of gloo ranks for multi-process tests and benchmarks on CPU.
 
 Spawning a world costs seconds, so a :class:`World` starts P processes once, joins
 them in a gloo process group through a file:// rendezvous (no fixed port), and then
@@ -18,11 +31,82 @@ import pickle
 import queue
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """u = 2^-p of a floating dtype (half its machine epsilon): 2^-24 for fp32."""
+    return torch.finfo(dtype).eps / 2
+
+
+def rounding_bound(
+    magnitude: torch.Tensor, roundings: Mapping[torch.dtype, int]
+) -> torch.Tensor:
+    """Elementwise worst-case rounding error: ``sum_d n_d u_d * magnitude``.
+
+    ``magnitude`` is the fp64 sum of the magnitudes of each value's terms (the
+    computation on absolute values); ``roundings`` maps each working dtype to the
+    most roundings in it along one term's path (inputs cast to it included).
+    """
+    per_unit = sum(n * unit_roundoff(dt) for dt, n in roundings.items())
+    return magnitude.detach().double().abs() * per_unit
+
+
+def assert_within_rounding(
+    name: str,
+    got: torch.Tensor,
+    ref: torch.Tensor,
+    magnitude: torch.Tensor,
+    roundings: Mapping[torch.dtype, int],
+) -> float:
+    """Assert |got - ref| <= :func:`rounding_bound` elementwise; return the worst
+    ratio error / bound (how much of the bound was used).
+
+    The fp64 reference's own error is far below the bound; a floor of the smallest
+    normal fp64 only keeps exact zeros (magnitude 0) from dividing by zero.
+    """
+    got, ref = got.detach().double(), ref.detach().double()
+    if got.shape != ref.shape:
+        raise AssertionError(f"{name}: shape {tuple(got.shape)}, reference {tuple(ref.shape)}")
+    bound = rounding_bound(magnitude, roundings).expand_as(ref)
+    bound = bound + torch.finfo(torch.float64).tiny
+    err = (got - ref).abs()
+    ratio = err / bound
+    worst = int(ratio.flatten().argmax()) if ratio.numel() else 0
+    r = ratio.flatten()[worst].item() if ratio.numel() else 0.0
+    assert r <= 1.0 and bool(torch.isfinite(got).all()), (
+        f"{name}: error {err.flatten()[worst].item():.3e} at flat index {worst} exceeds the "
+        f"rounding bound {bound.flatten()[worst].item():.3e} ({dict(roundings)} roundings "
+        f"of magnitude {magnitude.expand_as(ref).flatten()[worst].item():.3e}); ratio {r:.3g}"
+    )
+    return r
+
+
+def decay_grad_magnitude(
+    loss_terms: torch.Tensor, shape: tuple[int, ...], T: int, stages: int = 1
+) -> torch.Tensor:
+    """Magnitude ``M`` for the gradient of a loss with respect to a log-decay.
+
+    The gradient at token u is a sum over the loss's terms whose decay interval
+    contains u; every method computes it from cumulative sums of (q . dq - k . dk)
+    that cancel, and each such partial sum is bounded by twice the sum of the
+    magnitudes of all the loss's terms on that (batch row, head), per stage.
+
+    Args:
+        loss_terms: [B, H], the loss on absolute values per batch row (or document
+            sequence) and head, e.g. ``(o_abs * do.abs()).sum((1, 3))`` plus the
+            final-state terms.
+        shape: the log-decay's shape: [B, T, H] (per token) or [H] (a per-head
+            constant, whose gradient sums T tokens of every row).
+    """
+    per_token = 2.0 * stages * loss_terms.detach().double()
+    if len(shape) == 1:
+        return T * per_token.sum(0)
+    return per_token[:, None, :].expand(shape[0], T, shape[-1])
 
 
 class RemoteError(RuntimeError):

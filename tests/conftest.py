@@ -22,3 +22,16 @@ def world() -> Iterator[Callable[[int], World]]:
     yield get
     for w in cache.values():
         w.close()
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def num_threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """Run a tolerance test at 1 and at 2 intra-op threads (sums split differently)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    try:
+        yield request.param
+    finally:
+        torch.set_num_threads(before)

@@ -5,16 +5,19 @@ On a machine without CUDA they run under Triton's CPU interpreter: the fixture s
 are jitted lazily, see ``hla_sp.kernels._jit``). With CUDA they run on the GPU.
 The interpreter is slow: shapes are tiny, chunks are 16 long, cases are few.
 
-Tolerance (flash-attention's rule): the Triton result may be off from an fp64
-reference by at most twice the error the PyTorch path itself makes at the same
-precision, plus a floor of 2^-20 of the reference's magnitude for elements where the
-PyTorch error happens to be near zero (the kernels sum in a different order; fp32
-has 24 bits). Every test also checks the launch counter, so a silent fallback to
-the PyTorch path cannot pass.
+Tolerance: the condition of the computation, not one machine's result. Each output
+and gradient may be off from the fp64 reference by at most ``depth * u * M``
+elementwise (``hla_sp.testing.assert_within_rounding``), M the same computation in
+fp64 on absolute values (|q|, |k|, |v|, |h0|, |do|, |dh_T|; decay weights are
+positive) and depth the roundings along one term's path (:func:`depth`). It holds
+for any summation order, so for any CPU, SIMD width and thread count; the tests run
+at 1 and 2 threads. Every test also checks the launch counter, so a silent fallback
+to the PyTorch path cannot pass.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -23,6 +26,7 @@ import torch
 
 import hla_sp
 from hla_sp.ops.chunk import chunk_linear_attention
+from hla_sp.testing import assert_within_rounding, decay_grad_magnitude
 
 K, V, H = 16, 32, 2
 CHUNK = 16
@@ -50,14 +54,43 @@ def launches() -> int:
     return 0 if mod is None else sum(mod.LAUNCHES.values())
 
 
-def assert_close(name: str, got: torch.Tensor, same_prec: torch.Tensor, ref: torch.Tensor) -> None:
-    """|got - ref| <= 2 |same_prec - ref| + 2^-20 max|ref|, elementwise in the max norm."""
-    got, same_prec, ref = got.double(), same_prec.double(), ref.double()
-    err = (got - ref).abs().max().item()
-    base = (same_prec - ref).abs().max().item()
-    floor = 2.0**-20 * max(ref.abs().max().item(), 1e-30)
-    msg = f"{name}: error {err:.3e}, torch's {base:.3e}, floor {floor:.3e}"
-    assert err <= 2 * base + floor, msg
+def depth(T: int, K: int, V: int, g: torch.Tensor | None, chunk: int = CHUNK) -> int:
+    """Most fp32 roundings along one term's path, forward or backward (first order):
+    the casts of the inputs, dots over K and V, sums over at most T tokens (in-chunk
+    plus chunk carries), and the decay weights, whose exponents are prefix sums of up
+    to ``chunk`` log-decays (an exponent's absolute error, chunk * u * sum|g| per
+    chunk, is the weight's relative error)."""
+    tile = max(chunk, 16)
+    gmax = 0.0 if g is None else float(g.detach().abs().max())
+    return 2 * (K + V + T) + 2 * tile * math.ceil(tile * gmax) + 16
+
+
+def abs_inputs(x: dict) -> dict:
+    """The inputs of the magnitude computation: every tensor's absolute value, except
+    the log-decay (its weights exp(A_t - A_j) are positive already)."""
+    return {n: t if (t is None or n in ("g", "a")) else t.abs() for n, t in x.items()}
+
+
+def check_all(
+    got: dict, ref: dict, mag: dict, d: int, dtype: torch.dtype = torch.float32,
+    low: int = 0,
+) -> None:
+    """Every output and gradient within its rounding bound; ``low`` roundings in a
+    16-bit ``dtype`` on top of ``d`` in fp32."""
+    assert set(got) == set(ref) == set(mag)
+    roundings = {torch.float32: d} | ({dtype: low} if low else {})
+    for name in ref:
+        assert_within_rounding(name, got[name], ref[name], mag[name], roundings)
+
+
+def magnitudes(x: dict, *, use_h0: bool, resets: torch.Tensor | None = None) -> dict:
+    """:func:`run` in fp64 on absolute values, with the decay gradient's magnitude."""
+    ax = abs_inputs(x)
+    mag = run(chunk_linear_attention, ax, torch.float64, use_h0=use_h0, resets=resets)
+    if "dg" in mag:
+        loss = (mag["o"] * ax["do"]).sum((1, 3)) + (mag["h_T"] * ax["dht"]).sum((2, 3))
+        mag["dg"] = decay_grad_magnitude(loss, tuple(x["g"].shape), x["g"].shape[1])
+    return mag
 
 
 def make_inputs(
@@ -111,7 +144,7 @@ CASES = [
 
 @pytest.mark.parametrize(("B", "T", "decay", "use_h0"), CASES)
 def test_chunk_fwd_bwd_fp32(
-    interp: SimpleNamespace, B: int, T: int, decay: str | None, use_h0: bool
+    interp: SimpleNamespace, num_threads: int, B: int, T: int, decay: str | None, use_h0: bool
 ) -> None:
     x = make_inputs(B, T, decay)
     ref = run(chunk_linear_attention, x, torch.float64, use_h0=use_h0)
@@ -120,12 +153,12 @@ def test_chunk_fwd_bwd_fp32(
     tri = run(interp.fn, x, torch.float32, use_h0=use_h0)
     assert launches() - before >= 7, "the Triton kernels did not run"
     assert tri["o"].dtype == torch.float32 and tri["h_T"].dtype == torch.float32
-    assert set(tri) == set(ref)
-    for name in ref:
-        assert_close(name, tri[name], torch32[name], ref[name])
+    mag, d = magnitudes(x, use_h0=use_h0), depth(T, K, V, x["g"])
+    check_all(tri, ref, mag, d)
+    check_all(torch32, ref, mag, d)  # the PyTorch path meets the same bound
 
 
-def test_chunk_resets(interp: SimpleNamespace) -> None:
+def test_chunk_resets(interp: SimpleNamespace, num_threads: int) -> None:
     """Document starts cut the carry, also at a chunk's first position (16, 32)."""
     B, T = 2, 50
     x = make_inputs(B, T, "token", seed=1)
@@ -137,11 +170,14 @@ def test_chunk_resets(interp: SimpleNamespace) -> None:
     before = launches()
     tri = run(interp.fn, x, torch.float32, use_h0=True, resets=resets)
     assert launches() > before
-    for name in ref:
-        assert_close(name, tri[name], torch32[name], ref[name])
+    mag, d = magnitudes(x, use_h0=True, resets=resets), depth(T, K, V, x["g"])
+    check_all(tri, ref, mag, d)
+    check_all(torch32, ref, mag, d)
 
 
-def test_several_blocks(interp: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_several_blocks(
+    interp: SimpleNamespace, monkeypatch: pytest.MonkeyPatch, num_threads: int
+) -> None:
     """16-wide tiles with K = 24, V = 40: several K and V blocks, the last ones partial
     (the GPU shape K = V = 128 runs 2 x 2 blocks of 64), with resets and h0."""
     import hla_sp.kernels.chunk as kchunk
@@ -156,8 +192,9 @@ def test_several_blocks(interp: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
     before = dict(launch_counts())
     tri = run(interp.fn, x, torch.float32, use_h0=True, resets=resets)
     assert launch_counts()["chunk_bwd_dqk_kernel"] > before.get("chunk_bwd_dqk_kernel", 0)
-    for name in ref:
-        assert_close(name, tri[name], torch32[name], ref[name])
+    mag, d = magnitudes(x, use_h0=True, resets=resets), depth(T, 24, 40, x["g"])
+    check_all(tri, ref, mag, d)
+    check_all(torch32, ref, mag, d)
 
 
 def launch_counts() -> dict[str, int]:
@@ -166,19 +203,13 @@ def launch_counts() -> dict[str, int]:
     return dict(LAUNCHES)
 
 
-@pytest.mark.parametrize(
-    ("dtype", "rtol"),
-    [
-        pytest.param(torch.bfloat16, 2.0**-6, id="bf16"),
-        pytest.param(torch.float16, 2.0**-9, id="fp16"),
-    ],
-)
-def test_chunk_half(interp: SimpleNamespace, dtype: torch.dtype, rtol: float) -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_chunk_half(interp: SimpleNamespace, dtype: torch.dtype, num_threads: int) -> None:
     """16-bit inputs, forward and backward: fp32 accumulation and states, dot operands in the
     input dtype (as fla does). Both see the same rounded inputs; the reference is fp64.
-    The bound: the relative error in norm is at most 4 unit roundoffs of the dtype
-    (2^-8 bf16, 2^-11 fp16): the output is rounded once, and the operands of the second
-    dots (masked scores, q * carry weight, states) once more each."""
+    The bound, elementwise: 8 roundings in the 16-bit dtype (the output's, and those of
+    the operands of the second dots: masked scores, q * carry weight, states, and their
+    backward counterparts) plus the fp32 depth, times the magnitude."""
     x = make_inputs(1, 65, "token", seed=2)
     xr = {n: (None if t is None else t.to(dtype).double()) for n, t in x.items()}
     ref = run(chunk_linear_attention, xr, torch.float64, use_h0=True)
@@ -187,13 +218,13 @@ def test_chunk_half(interp: SimpleNamespace, dtype: torch.dtype, rtol: float) ->
     assert launches() > before
     # the compute dtype, as the torch path: the caller rounds o once, at the end
     assert tri["o"].dtype == torch.float32 and tri["h_T"].dtype == torch.float32
-    for name in ("o", "h_T", "dq", "dk", "dv", "dg", "dh0"):
-        err = ((tri[name].double() - ref[name]).norm() / ref[name].norm()).item()
-        print(f"{dtype} {name}: relative error {err:.2e}")
-        assert err <= rtol, f"{name}: relative error {err:.2e} > {rtol:.2e}"
+    mag = magnitudes(xr, use_h0=True)
+    check_all(tri, ref, mag, depth(65, K, V, xr["g"]), dtype, low=8)
 
 
-def test_public_varlen(interp: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_public_varlen(
+    interp: SimpleNamespace, monkeypatch: pytest.MonkeyPatch, num_threads: int
+) -> None:
     """linear_attention(cu_seqlens=...) with per-document initial and final states,
     per-head decay as an [H] tensor, Triton against the torch backend."""
     T = 40
@@ -204,77 +235,109 @@ def test_public_varlen(interp: SimpleNamespace, monkeypatch: pytest.MonkeyPatch)
     h0 = torch.randn(3, H, K, V, dtype=torch.float64, generator=gen).to(DEVICE)
     dht = torch.randn(3, H, K, V, dtype=torch.float64, generator=gen).to(DEVICE)
 
-    def go(dtype: torch.dtype) -> list[torch.Tensor]:
+    names = ["o", "h_T", "dq", "dk", "dv", "dlog_decay", "dh0"]
+
+    def go(dtype: torch.dtype, absolute: bool = False) -> dict[str, torch.Tensor]:
+        f = torch.abs if absolute else (lambda t: t)
         leaves = [
-            t.detach().clone().to(dtype).requires_grad_() for t in (x["q"], x["k"], x["v"], a, h0)
+            t.detach().clone().to(dtype).requires_grad_()
+            for t in (f(x["q"]), f(x["k"]), f(x["v"]), a, f(h0))
         ]
         o, hT = hla_sp.linear_attention(
             *leaves[:3], log_decay=leaves[3], initial_state=leaves[4], output_final_state=True,
             cu_seqlens=cu, chunk_size=CHUNK, scale=1.0,
         )
-        ((o.double() * x["do"]).sum() + (hT.double() * dht).sum()).backward()
-        return [o.detach(), hT.detach()] + [t.grad for t in leaves]
+        ((o.double() * f(x["do"])).sum() + (hT.double() * f(dht)).sum()).backward()
+        return dict(zip(names, [o.detach(), hT.detach()] + [t.grad for t in leaves]))
 
     monkeypatch.setenv("HLA_SP_BACKEND", "torch")
-    ref, torch32 = go(torch.float64), go(torch.float32)
+    ref, torch32, mag = go(torch.float64), go(torch.float32), go(torch.float64, absolute=True)
+    loss = (mag["o"] * x["do"].abs()).sum((1, 3)) + (mag["h_T"] * dht.abs()).sum((0, 2, 3))
+    mag["dlog_decay"] = decay_grad_magnitude(loss, (H,), T)
     monkeypatch.setenv("HLA_SP_BACKEND", "triton")
     before = launches()
     tri = go(torch.float32)
     assert launches() > before
-    names = ["o", "h_T", "dq", "dk", "dv", "dlog_decay", "dh0"]
-    for name, t, b, r in zip(names, tri, torch32, ref):
-        assert_close(name, t, b, r)
+    d = depth(T, K, V, a)
+    check_all(tri, ref, mag, d)
+    check_all(torch32, ref, mag, d)
 
 
-def test_public_hla2(interp: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_public_hla2(
+    interp: SimpleNamespace, monkeypatch: pytest.MonkeyPatch, num_threads: int
+) -> None:
     """hla2 (two stages of the primitive) on the Triton kernels, outputs and gradients."""
-    x = make_inputs(1, 33, "token", seed=5)
+    T = 33
+    x = make_inputs(1, T, "token", seed=5)
+    names = ["o", "S", "H", "dq", "dk", "dv", "dg"]
 
-    def go(dtype: torch.dtype) -> list[torch.Tensor]:
-        leaves = [x[n].detach().clone().to(dtype).requires_grad_() for n in ("q", "k", "v", "g")]
+    def go(dtype: torch.dtype, absolute: bool = False) -> dict[str, torch.Tensor]:
+        ax = abs_inputs(x) if absolute else x
+        leaves = [ax[n].detach().clone().to(dtype).requires_grad_() for n in ("q", "k", "v", "g")]
         o, st = hla_sp.hla2(
             *leaves[:3], log_decay=leaves[3], output_final_state=True, chunk_size=CHUNK
         )
-        ((o.double() * x["do"]).sum() + st.H.double().sum() + st.S.double().sum()).backward()
-        return [o.detach(), st.S, st.H] + [t.grad for t in leaves]
+        ((o.double() * ax["do"]).sum() + st.H.double().sum() + st.S.double().sum()).backward()
+        return dict(zip(names, [o.detach(), st.S.detach(), st.H.detach()]
+                        + [t.grad for t in leaves]))  # fmt: skip
 
     monkeypatch.setenv("HLA_SP_BACKEND", "torch")
-    ref, torch32 = go(torch.float64), go(torch.float32)
+    ref, torch32, mag = go(torch.float64), go(torch.float32), go(torch.float64, absolute=True)
+    # the loss on absolute values per (row, head): o's terms and the states' (weight 1)
+    loss = (mag["o"] * x["do"].abs()).sum((1, 3)) + mag["S"].sum((2, 3)) + mag["H"].sum((2, 3))
+    mag["dg"] = decay_grad_magnitude(loss, tuple(x["g"].shape), T, stages=2)
     monkeypatch.setenv("HLA_SP_BACKEND", "triton")
     before = launches()
     tri = go(torch.float32)
     assert launches() > before
-    for name, t, b, r in zip(["o", "S", "H", "dq", "dk", "dv", "dg"], tri, torch32, ref):
-        assert_close(name, t, b, r)
+    d = 2 * depth(T, K, V, x["g"])  # two stages, the second's keys from the first
+    check_all(tri, ref, mag, d)
+    check_all(torch32, ref, mag, d)
 
 
-def test_small_chunk_and_no_final_grad(interp: SimpleNamespace) -> None:
+def test_small_chunk_and_no_final_grad(interp: SimpleNamespace, num_threads: int) -> None:
     """chunk_size < 16 runs with 16-long tiles; a loss on o alone (dh_T = None)."""
-    x = make_inputs(1, 20, "token", seed=6)
-    leaves = [x[n].float().requires_grad_() for n in ("q", "k", "v", "g")]
-    o, _ = interp.fn(*leaves, chunk_size=4)
-    (o * x["do"].float()).sum().backward()
-    ref_leaves = [x[n].clone().requires_grad_() for n in ("q", "k", "v", "g")]
-    o_ref, _ = chunk_linear_attention(*ref_leaves, chunk_size=4)
-    (o_ref * x["do"]).sum().backward()
-    torch.testing.assert_close(o.double(), o_ref, rtol=1e-5, atol=1e-5)
-    for a, b in zip(leaves, ref_leaves):
-        torch.testing.assert_close(a.grad.double(), b.grad, rtol=1e-5, atol=1e-5)
+    T = 20
+    x = make_inputs(1, T, "token", seed=6)
+    names = ("q", "k", "v", "g")
+
+    def go(fn: object, xs: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        leaves = [xs[n].detach().clone().to(dtype).requires_grad_() for n in names]
+        o, _ = fn(*leaves, chunk_size=4)  # type: ignore[operator]
+        (o.double() * xs["do"]).sum().backward()
+        return {"o": o.detach()} | {f"d{n}": t.grad for n, t in zip(names, leaves)}
+
+    tri = go(interp.fn, x, torch.float32)
+    ref = go(chunk_linear_attention, x, torch.float64)
+    ax = abs_inputs(x)
+    mag = go(chunk_linear_attention, ax, torch.float64)
+    mag["dg"] = decay_grad_magnitude((mag["o"] * ax["do"]).sum((1, 3)), (1, T, H), T)
+    check_all(tri, ref, mag, depth(T, K, V, x["g"], chunk=4))
 
 
-def test_final_state_loss_only(interp: SimpleNamespace) -> None:
+def test_final_state_loss_only(interp: SimpleNamespace, num_threads: int) -> None:
     """A loss on h_T alone (the output's gradient is None in the backward)."""
-    x = make_inputs(1, 24, "token", seed=9)
+    T = 24
+    x = make_inputs(1, T, "token", seed=9)
     names = ("q", "k", "v", "g", "h0")
-    tri = [x[n].float().requires_grad_() for n in names]
-    ref = [x[n].clone().requires_grad_() for n in names]
+
+    def go(fn: object, xs: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        leaves = [xs[n].detach().clone().to(dtype).requires_grad_() for n in names]
+        h = fn(*leaves[:4], h0=leaves[4], chunk_size=CHUNK)[1]  # type: ignore[operator]
+        (h.double() * xs["dht"]).sum().backward()
+        # q does not reach h_T: its gradient is None, or exact zeros
+        return {f"d{n}": torch.zeros_like(t) if t.grad is None else t.grad
+                for n, t in zip(names, leaves)}  # fmt: skip
+
     before = launches()
-    (interp.fn(*tri[:4], h0=tri[4], chunk_size=CHUNK)[1] * x["dht"].float()).sum().backward()
+    tri = go(interp.fn, x, torch.float32)
     assert launches() > before
-    (chunk_linear_attention(*ref[:4], h0=ref[4], chunk_size=CHUNK)[1] * x["dht"]).sum().backward()
-    for n, a, b in zip(names, tri, ref):
-        want = torch.zeros_like(b) if b.grad is None else b.grad  # q does not reach h_T
-        torch.testing.assert_close(a.grad.double(), want, rtol=1e-5, atol=1e-5, msg=n)
+    ref = go(chunk_linear_attention, x, torch.float64)
+    ax = abs_inputs(x)
+    mag = go(chunk_linear_attention, ax, torch.float64)
+    h_abs = chunk_linear_attention(*(ax[n] for n in names[:4]), h0=ax["h0"], chunk_size=CHUNK)[1]
+    mag["dg"] = decay_grad_magnitude((h_abs * ax["dht"]).sum((2, 3)), (1, T, H), T)
+    check_all(tri, ref, mag, depth(T, K, V, x["g"]))
 
 
 def test_triton_unavailable_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -57,12 +57,17 @@ def inputs(
     a = -0.4 * torch.rand(*((1, T, H) if decay == "token" else (H,)), generator=gen)
     return dict(
         q=rnd(1, T, H, K), k=rnd(1, T, H, K), v=rnd(1, T, H, V), a=a.double().to(DEVICE),
-        S0=rnd(1, H, K, K), H0=rnd(1, H, K, V), eta0=rnd(1, H, K), do=rnd(1, T, H, V),
+        S0=_sym(rnd(1, H, K, K)), H0=rnd(1, H, K, V), eta0=rnd(1, H, K), do=rnd(1, T, H, V),
     )
 
 
 def run(fn: object, x: dict, dtype: torch.dtype, **kw: object) -> dict[str, torch.Tensor]:
     """Outputs and gradients; the loss touches o and, when returned, both final states."""
+def _sym(x: torch.Tensor) -> torch.Tensor:
+    """A key moment is symmetric (S = sum k k^T); the operators refuse any other S0."""
+    return (x + x.transpose(-1, -2)) / 2
+
+
     states = kw.pop("states", True)
     names = ["q", "k", "v", "a"]
     if states:
