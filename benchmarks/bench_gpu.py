@@ -16,7 +16,7 @@ K=V=128 and T = 8k, 32k, 128k, bf16 inputs, per-head decay, for
 - ``la``: hla_sp.linear_attention on the Triton kernels,
 - ``hla2``: hla_sp.hla2, the two-stage composition (it computes in fp32 between
   stages, so its dots are fp32; TF32 is allowed for this run, reported in the JSON),
-- ``hla2_fused`` / ``hla2_fused_seq``: hla_sp.kernels.hla2_fused (opt-in), chunked
+- ``hla2_fused`` / ``hla2_fused_seq``: hla_sp.ops.hla2_fused (opt-in), chunked
   and sequential modes,
 - ``sdpa_flash``: causal scaled_dot_product_attention restricted to the flash backend,
 - ``fla_simple_gla``: fla's chunk_simple_gla, when ``fla`` imports.
@@ -87,7 +87,7 @@ def run_case(
 
 def correctness(device: str, T: int, H: int, K: int, V: int) -> list[dict]:
     """Triton against the torch path (fp64 reference), fp32 and bf16."""
-    from hla_sp.kernels import hla2_fused
+    from hla_sp.ops import hla2_fused
 
     g = torch.Generator().manual_seed(0)
     base = dict(
@@ -154,9 +154,8 @@ def check_large_offsets(device: str, T: int, H: int, K: int, V: int, L: int = 20
     the tail, the prefix's segment summary, so the reference runs on the tail alone.
     A 32-bit offset overflow would read or write the wrong memory there.
     """
-    from hla_sp.kernels import chunk_linear_attention_triton
-
     from hla_sp.ops.chunk import chunk_linear_attention, segment_summary
+    from hla_sp.ops.custom_op import chunk_linear_attention_triton
 
     torch.manual_seed(3)
     q, k, v = (torch.randn(1, T, H, d, device=device, dtype=torch.bfloat16) for d in (K, K, V))
@@ -205,7 +204,7 @@ def time_one(
     device: str, T: int, H: int, K: int, V: int, bench: Callable, chunk_simple_gla: Callable | None
 ) -> list[dict]:
     """fwd+bwd of every method at one length, bf16 inputs, per-head decay."""
-    from hla_sp.kernels import hla2_fused
+    from hla_sp.ops import hla2_fused
 
     dtype = torch.bfloat16
     q, k, v = (

@@ -1,12 +1,15 @@
 """Triton kernels of hla-sp (imported as ``hla_sp.kernels``).
 
+Only kernels and their launchers live here: no autograd, and nothing imported from the
+rest of ``hla_sp``. :mod:`hla_sp.ops.dispatch` is the one module that imports this
+package; the autograd glue (one ``torch.library`` custom operator for the primitive,
+the fused hla2's ``autograd.Function``) is in :mod:`hla_sp.ops`.
+
 - :mod:`~hla_sp.kernels.chunk`: the primitive (decayed causal linear attention) as
-  chunk_state -> state_passing -> chunk output kernels, the backward kernels,
-  :class:`ChunkLinearAttentionFunction` and :func:`chunk_linear_attention_triton`,
-  which :mod:`hla_sp.ops.dispatch` selects for CUDA tensors.
+  chunk_state -> state_passing -> chunk output kernels and the backward kernels;
+  :func:`chunk_forward` / :func:`chunk_backward` take unprepared tensors.
 - :mod:`~hla_sp.kernels.hla2_fused`: second-order HLA with k~ = S q kept on chip,
-  opt-in through :func:`hla2_fused` until a GPU benchmark decides
-  (benchmarks/gpu_check.sh).
+  :func:`fused_hla2_forward` / :func:`fused_hla2_backward`.
 - :mod:`~hla_sp.kernels._jit`: kernels are jitted on first launch, so importing this
   package touches no GPU driver, and :data:`LAUNCHES` counts launches per kernel.
 
@@ -14,23 +17,19 @@ On CPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``), whic
 how the tests exercise them.
 """
 
-from ._jit import LAUNCHES, interpreting
-from .chunk import (
-    ChunkLinearAttentionFunction,
-    chunk_bwd,
-    chunk_fwd,
-    chunk_linear_attention_triton,
-)
-from .hla2_fused import FusedHLA2Function, fused_hla2_chunk, hla2_fused
+from ._jit import LAUNCHES, interpreter_mismatch, interpreting
+from .chunk import chunk_backward, chunk_bwd, chunk_forward, chunk_fwd
+from .hla2_fused import MODES, fused_hla2_backward, fused_hla2_forward
 
 __all__ = [
     "LAUNCHES",
-    "ChunkLinearAttentionFunction",
-    "FusedHLA2Function",
+    "MODES",
+    "chunk_backward",
     "chunk_bwd",
+    "chunk_forward",
     "chunk_fwd",
-    "chunk_linear_attention_triton",
-    "fused_hla2_chunk",
-    "hla2_fused",
+    "fused_hla2_backward",
+    "fused_hla2_forward",
+    "interpreter_mismatch",
     "interpreting",
 ]

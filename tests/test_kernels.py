@@ -41,9 +41,9 @@ def interp(monkeypatch: pytest.MonkeyPatch) -> Iterator[SimpleNamespace]:
     if DEVICE == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("HLA_SP_BACKEND", "triton")
-    import hla_sp.kernels as kernels
+    from hla_sp.ops.custom_op import chunk_linear_attention_triton
 
-    yield SimpleNamespace(fn=kernels.chunk_linear_attention_triton, launches=launches)
+    yield SimpleNamespace(fn=chunk_linear_attention_triton, launches=launches)
 
 
 def launches() -> int:
@@ -342,7 +342,7 @@ def test_final_state_loss_only(interp: SimpleNamespace, num_threads: int) -> Non
 
 def test_triton_unavailable_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     """Forcing Triton on CPU without the interpreter, or for fp64, raises; never falls back."""
-    from hla_sp.kernels import chunk_linear_attention_triton
+    from hla_sp.ops.custom_op import chunk_linear_attention_triton
 
     monkeypatch.setenv("HLA_SP_BACKEND", "triton")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

@@ -1,4 +1,5 @@
-"""The fused hla2 kernel (``hla_sp.kernels.hla2_fused``) against the composition.
+"""The fused hla2 (``hla_sp.ops.hla2_fused`` on ``hla_sp.kernels.hla2_fused``) against
+the composition.
 
 The reference is ``hla_sp.hla2`` on the PyTorch path in fp64. Tolerance, in the
 Frobenius norm of each output and gradient: at most twice the error of the PyTorch
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 import hla_sp
+from hla_sp.ops import hla2_fused
 
 H, K, V = 2, 16, 32
 CHUNK = 16
@@ -110,7 +112,7 @@ def test_fused_hla2_fp32(
     ref = run(hla_sp.hla2, x, torch.float64, **opts)
     torch32 = run(hla_sp.hla2, x, torch.float32, **opts)
     before = kernels.LAUNCHES[FUSED[mode]]
-    got = run(kernels.hla2_fused, x, torch.float32, mode=mode, **opts)
+    got = run(hla2_fused, x, torch.float32, mode=mode, **opts)
     assert kernels.LAUNCHES[FUSED[mode]] == before + 1
     assert set(got) == set(ref)
     for name in ref:
@@ -125,12 +127,12 @@ def test_fused_hla2_varlen(kernels: ModuleType, mode: str) -> None:
     ref = run(hla_sp.hla2, x, torch.float64, cu_seqlens=cu, states=False)
     torch32 = run(hla_sp.hla2, x, torch.float32, cu_seqlens=cu, states=False)
     before = kernels.LAUNCHES[FUSED[mode]]
-    got = run(kernels.hla2_fused, x, torch.float32, cu_seqlens=cu, states=False, mode=mode)
+    got = run(hla2_fused, x, torch.float32, cu_seqlens=cu, states=False, mode=mode)
     assert kernels.LAUNCHES[FUSED[mode]] == before + 1
     for name in ref:
         assert_close(name, got[name], torch32[name], ref[name])
     with pytest.raises(NotImplementedError, match="cu_seqlens"):
-        kernels.hla2_fused(x["q"], x["k"], x["v"], cu_seqlens=cu, output_final_state=True)
+        hla2_fused(x["q"], x["k"], x["v"], cu_seqlens=cu, output_final_state=True)
 
 
 def test_fused_hla2_keeps_k_tilde_on_chip(kernels: ModuleType) -> None:
@@ -140,11 +142,11 @@ def test_fused_hla2_keeps_k_tilde_on_chip(kernels: ModuleType) -> None:
     for mode, fused in FUSED.items():
         before = dict(kernels.LAUNCHES)
         with torch.no_grad():
-            kernels.hla2_fused(x["q"].float(), x["k"].float(), x["v"].float(), mode=mode)
+            hla2_fused(x["q"].float(), x["k"].float(), x["v"].float(), mode=mode)
         ran = {n for n, c in kernels.LAUNCHES.items() if c > before.get(n, 0)}
         assert fused in ran and "chunk_fwd_o_kernel" not in ran, (mode, ran)
     with pytest.raises(ValueError, match="mode"):
-        kernels.hla2_fused(x["q"].float(), x["k"].float(), x["v"].float(), mode="nope")
+        hla2_fused(x["q"].float(), x["k"].float(), x["v"].float(), mode="nope")
 
 
 @pytest.mark.parametrize("mode", ["chunked", "sequential"])
@@ -155,7 +157,7 @@ def test_fused_hla2_bf16_forward(kernels: ModuleType, mode: str) -> None:
     x = inputs(33, "token", seed=9)
     xr = {n: t.to(torch.bfloat16).double() for n, t in x.items()}
     ref = run(hla_sp.hla2, xr, torch.float64)
-    got = run(kernels.hla2_fused, x, torch.bfloat16, mode=mode)
+    got = run(hla2_fused, x, torch.bfloat16, mode=mode)
     assert got["o"].dtype == torch.bfloat16
     for name in ("o", "S", "H"):
         err = ((got[name].double() - ref[name]).norm() / ref[name].norm()).item()
@@ -165,8 +167,6 @@ def test_fused_hla2_bf16_forward(kernels: ModuleType, mode: str) -> None:
 def test_fused_hla2_needs_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     if DEVICE != "cpu":
         pytest.skip("CPU tensors without the interpreter")
-    from hla_sp.kernels import hla2_fused
-
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     q = torch.randn(1, 4, H, K)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):

@@ -1,6 +1,16 @@
-"""Operators: the primitive, its compositions and their references."""
+"""Operators: the primitive, its compositions, their references, the fused hla2."""
 
 from hla_sp.ops.compositions import AHLAState, HLA2State, HLA3State, ahla, hla2, hla3
+from hla_sp.ops.fused import hla2_fused
 from hla_sp.ops.linear_attention import linear_attention
 
-__all__ = ["AHLAState", "HLA2State", "HLA3State", "ahla", "hla2", "hla3", "linear_attention"]
+__all__ = [
+    "AHLAState",
+    "HLA2State",
+    "HLA3State",
+    "ahla",
+    "hla2",
+    "hla2_fused",
+    "hla3",
+    "linear_attention",
+]

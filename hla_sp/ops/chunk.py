@@ -20,6 +20,8 @@ on only the part after its last start.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -27,6 +29,17 @@ import torch.nn.functional as F
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp64 stays fp64; every other dtype accumulates in fp32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def document_resets(bounds: Sequence[int], T: int, device: torch.device) -> torch.Tensor:
+    """[1, T] bool ``resets``: True at every document start but the first.
+
+    Args:
+        bounds: the document offsets as Python ints, [N + 1] (cu_seqlens.tolist()).
+    """
+    resets = torch.zeros(1, T, dtype=torch.bool, device=device)
+    resets[0, list(bounds[1:-1])] = True
+    return resets
 
 
 def chunk_linear_attention(

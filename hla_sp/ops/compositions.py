@@ -57,6 +57,27 @@ def _unpack_state(
     return validate.check_state_tuple(state, fields, q)
 
 
+def with_denominator(
+    v: torch.Tensor, H0: torch.Tensor | None, eta0: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """hla2's normaliser as the same stage: a ones column appended to v [B, T, H, V]
+    (the denominator's value) and eta0 [N, H, K] to H0 [N, H, K, V] (its state)."""
+    v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+    if H0 is not None:
+        H0 = torch.cat([H0, eta0[..., None].to(H0.dtype)], dim=-1)
+    return v, H0
+
+
+def split_denominator(
+    o: torch.Tensor, Hf: torch.Tensor | None, V: int, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Undo :func:`with_denominator`: o [.., V + 1] -> o / (den + eps); Hf -> (H, eta)."""
+    o = o[..., :V] / (o[..., V:] + eps)
+    if Hf is None:
+        return o, None, None
+    return o, Hf[..., :V], Hf[..., V]
+
+
 # A stage: (q [B, T, Hq, K], keys, values, h0) -> (out, final state or None). The log-decay,
 # documents, chunk size and sequence parallelism are bound in by the caller.
 Stage = Callable[
@@ -101,16 +122,11 @@ def compose(
         vq = expand(v)
         V = vq.shape[-1]
         if normalize:
-            # den is the same primitive with a ones column appended to v.
-            vq = torch.cat([vq, torch.ones_like(vq[..., :1])], dim=-1)
-            if H0 is not None:
-                H0 = torch.cat([H0, eta0[..., None]], dim=-1)
+            vq, H0 = with_denominator(vq, H0, eta0)
         o, Hf = per_head(qs, k_tilde, vq, H0)
         eta = None
         if normalize:
-            o = o[..., :V] / (o[..., V:] + eps)
-            if Hf is not None:
-                Hf, eta = Hf[..., :V], Hf[..., V]
+            o, Hf, eta = split_denominator(o, Hf, V, eps)
         return o, [S, Hf, eta]
     if operator == "ahla":
         C0, H0 = state0

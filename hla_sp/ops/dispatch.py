@@ -1,27 +1,23 @@
-"""The one place that chooses how the primitive's chunk scan is computed.
+"""The one place that chooses a backend, and the one module that imports the kernels.
 
 ``HLA_SP_BACKEND`` = ``auto`` (default: Triton for CUDA tensors of fp32/fp16/bf16,
 PyTorch otherwise, fp64 included: the Triton path keeps fp32 states), ``torch`` or
 ``triton``. Forcing ``triton`` where it cannot run (no triton, CPU tensors without
-``TRITON_INTERPRET=1``, fp64) is an error, never a silent fallback. Every
-implementation has the signature of :func:`hla_sp.ops.chunk.chunk_linear_attention`.
+``TRITON_INTERPRET=1``, fp64) is an error, never a silent fallback.
 
-While ``torch.compile`` traces, the chosen backend runs through the custom operator
-of :mod:`hla_sp.ops.custom_op`, so the primitive is one graph node with a registered
-backward; eager calls use the implementations directly.
+``hla_sp.kernels`` is imported here only, lazily (importing it needs triton), and
+only through the ``triton_*`` functions below; the autograd glue around them is
+:mod:`hla_sp.ops.custom_op` (the primitive) and :mod:`hla_sp.ops.fused` (hla2).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
 import torch
 
-from hla_sp.ops.chunk import chunk_linear_attention
-
 BACKENDS = ("auto", "torch", "triton")
-ChunkImpl = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+Tensor = torch.Tensor
 
 
 def backend() -> str:
@@ -48,24 +44,10 @@ def triton_unavailable_reason(
     if device.type == "cuda":
         return None
     if os.environ.get("TRITON_INTERPRET") == "1":
-        from hla_sp.kernels._jit import interpreter_mismatch
+        from hla_sp.kernels import interpreter_mismatch
 
         return interpreter_mismatch()
     return f"tensors are on {device.type} and TRITON_INTERPRET=1 is not set"
-
-
-def chunk_impl(x: torch.Tensor) -> ChunkImpl:
-    """The chunk-scan implementation for tensors like ``x``."""
-    name = backend_for(x)
-    if torch.compiler.is_compiling():
-        from hla_sp.ops.custom_op import make_chunk_impl
-
-        return make_chunk_impl(name)
-    if name == "torch":
-        return chunk_linear_attention
-    from hla_sp.kernels import chunk_linear_attention_triton
-
-    return chunk_linear_attention_triton
 
 
 def backend_for(x: torch.Tensor) -> str:
@@ -79,3 +61,44 @@ def backend_for(x: torch.Tensor) -> str:
         if reason is not None:
             raise RuntimeError(f"HLA_SP_BACKEND=triton was asked for, but {reason}")
     return name
+
+
+def triton_chunk_forward(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, resets: Tensor | None,
+    h0: Tensor | None, chunk_size: int,
+) -> tuple[Tensor, Tensor]:
+    """:func:`hla_sp.kernels.chunk.chunk_forward`: o [B, T, H, V], h_last [B, H, K, V], fp32."""
+    from hla_sp.kernels import chunk_forward
+
+    return chunk_forward(q, k, v, g, resets, h0, chunk_size)
+
+
+def triton_chunk_backward(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, resets: Tensor | None,
+    h0: Tensor | None, do: Tensor, dht: Tensor | None, chunk_size: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+    """:func:`hla_sp.kernels.chunk.chunk_backward`: dq, dk, dv, dg (fp32 or None), dh0."""
+    from hla_sp.kernels import chunk_backward
+
+    return chunk_backward(q, k, v, g, resets, h0, do, dht, chunk_size)
+
+
+def triton_fused_hla2_forward(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, resets: Tensor | None,
+    S0: Tensor | None, H0: Tensor | None, ridge: float, chunk_size: int, mode: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`hla_sp.kernels.hla2_fused.fused_hla2_forward`: o, S_T, H_T, all fp32."""
+    from hla_sp.kernels import fused_hla2_forward
+
+    return fused_hla2_forward(q, k, v, g, resets, S0, H0, ridge, chunk_size, mode)
+
+
+def triton_fused_hla2_backward(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, resets: Tensor | None,
+    S0: Tensor | None, H0: Tensor | None, ridge: float, do: Tensor, dS_T: Tensor | None,
+    dH_T: Tensor | None, chunk_size: int,
+) -> tuple[Tensor | None, ...]:
+    """:func:`hla_sp.kernels.hla2_fused.fused_hla2_backward`: dq, dk, dv, dg, dS0, dH0."""
+    from hla_sp.kernels import fused_hla2_backward
+
+    return fused_hla2_backward(q, k, v, g, resets, S0, H0, ridge, do, dS_T, dH_T, chunk_size)

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from hla_sp.ops import validate
-from hla_sp.ops.chunk import carry_term, segment_summary
-from hla_sp.ops.dispatch import chunk_impl
+from hla_sp.ops.chunk import carry_term, document_resets, segment_summary
+from hla_sp.ops.custom_op import chunk_impl
 
 if TYPE_CHECKING:
     from hla_sp.parallel import SequenceParallel
@@ -56,8 +56,7 @@ def local_primitive(
 
     T = q.shape[1]
     bounds = cu_seqlens.tolist()
-    resets = torch.zeros(1, T, dtype=torch.bool, device=q.device)
-    resets[0, bounds[1:-1]] = True
+    resets = document_resets(bounds, T, q.device)
     # The first document's initial state is the carry into position 0; the others
     # are added to their documents afterwards (their starts cut the chunk carry).
     o, h_last = impl(

@@ -1,0 +1,152 @@
+"""Second-order HLA on the fused Triton kernels (opt-in): autograd and public call.
+
+:func:`hla2_fused` computes what :func:`hla_sp.hla2` computes, with k~ = S q kept on
+chip (the kernels: :mod:`hla_sp.kernels.hla2_fused`, reached through
+:mod:`hla_sp.ops.dispatch`). Validation, the state tuple, the normaliser and the
+document resets are the composition's own helpers, so the two calls agree on every
+keyword. Whether the fused form beats the composition is a GPU measurement
+(benchmarks/gpu_check.sh times both); until then the default stays the composition.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hla_sp.ops import validate
+from hla_sp.ops.chunk import document_resets
+from hla_sp.ops.compositions import (
+    DEFAULT_EPS,
+    HLA2State,
+    _unpack_state,
+    split_denominator,
+    state_fields,
+    with_denominator,
+)
+from hla_sp.ops.dispatch import (
+    triton_fused_hla2_backward,
+    triton_fused_hla2_forward,
+    triton_unavailable_reason,
+)
+from hla_sp.ops.linear_attention import DEFAULT_CHUNK_SIZE
+
+Tensor = torch.Tensor
+
+
+def _like(grad: Tensor | None, x: Tensor | None) -> Tensor | None:
+    """A gradient computed in fp32, in the dtype of the input it belongs to."""
+    return None if grad is None or x is None else grad.to(x.dtype)
+
+
+class FusedHLA2Function(torch.autograd.Function):
+    """Autograd of the fused hla2; saves only the inputs (k~ is recomputed)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, resets: Tensor | None,
+        S0: Tensor | None, H0: Tensor | None, ridge: float, chunk_size: int, mode: str,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        o, S_T, H_T = triton_fused_hla2_forward(
+            q, k, v, g, resets, S0, H0, ridge, chunk_size, mode
+        )
+        ctx.save_for_backward(q, k, v, g, resets, S0, H0)
+        ctx.ridge, ctx.chunk_size = ridge, chunk_size
+        ctx.set_materialize_grads(False)
+        return o, S_T, H_T
+
+    @staticmethod
+    def backward(
+        ctx: Any, do: Tensor | None, dS_T: Tensor | None, dH_T: Tensor | None
+    ) -> tuple[Tensor | None, ...]:
+        q, k, v, g, resets, S0, H0 = ctx.saved_tensors
+        if do is None:
+            do = q.new_zeros(*q.shape[:3], v.shape[-1])
+        dq, dk, dv, dg, dS0, dH0 = triton_fused_hla2_backward(
+            q, k, v, g, resets, S0, H0, ctx.ridge, do, dS_T, dH_T, ctx.chunk_size
+        )
+        return dq, dk, dv, _like(dg, g), None, _like(dS0, S0), _like(dH0, H0), None, None, None
+
+
+def fused_hla2_chunk(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor | None,
+    *,
+    resets: Tensor | None = None,
+    S0: Tensor | None = None,
+    H0: Tensor | None = None,
+    ridge: float = 0.0,
+    chunk_size: int = 64,
+    mode: str = "chunked",
+) -> tuple[Tensor, Tensor, Tensor]:
+    """hla2 of already-scaled q, fused; the counterpart of the primitive's chunk function.
+
+    Args:
+        q: [B, T, H, K] scaled; k: [B, T, H, K]; v: [B, T, H, V] (fp32/fp16/bf16).
+        g: [B, T, H] log-decay or None; resets: [B, T] bool or None.
+        S0: [B, H, K, K], H0: [B, H, K, V] initial states or None.
+        mode: "chunked" (chunk-parallel) or "sequential" (one program walks the chunks).
+
+    Returns:
+        o [B, T, H, V], S_T [B, H, K, K] and H_T [B, H, K, V], all fp32.
+    """
+    return FusedHLA2Function.apply(q, k, v, g, resets, S0, H0, float(ridge), chunk_size, mode)
+
+
+def hla2_fused(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    log_decay: Tensor | None = None,
+    normalize: bool = False,
+    eps: float = DEFAULT_EPS,
+    ridge: float = 0.0,
+    scale: float | None = None,
+    initial_state: HLA2State | tuple | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    mode: str = "chunked",
+) -> tuple[Tensor, HLA2State | None]:
+    """:func:`hla_sp.hla2` on the fused kernels (opt-in; single process, no ``sp``).
+
+    Same keywords and results as ``hla_sp.hla2``. Packed documents (``cu_seqlens``)
+    are supported without initial or final states (per-document states are the
+    composition's job). Inputs must be on a device Triton runs on (CUDA, or CPU under
+    ``TRITON_INTERPRET=1``). ``mode``: "chunked" or "sequential".
+
+    Returns:
+        (o [B, T, H, V] in q's dtype, HLA2State or None)
+    """
+    x = validate.check_inputs(
+        q, k, v, log_decay=log_decay, scale=scale, cu_seqlens=cu_seqlens, sp=None,
+        chunk_size=chunk_size,
+    )
+    if x.cu_seqlens is not None and (initial_state is not None or output_final_state):
+        raise NotImplementedError(
+            "hla2_fused: cu_seqlens with initial_state or output_final_state; use hla_sp.hla2"
+        )
+    reason = triton_unavailable_reason(x.q.device, x.q.dtype)
+    if reason is not None:
+        raise RuntimeError(f"hla2_fused needs the Triton kernels, but {reason}")
+    normalize = validate.check_bool("normalize", normalize)
+    fields = state_fields("hla2", x.n_seq, x.H, x.H, x.K, x.V, normalize)
+    S0, H0, eta0 = _unpack_state(initial_state, fields, x.q)
+    resets = None
+    if x.cu_seqlens is not None:
+        resets = document_resets(x.cu_seqlens.tolist(), x.T, x.q.device)
+    vv = x.v
+    if normalize:
+        vv, H0 = with_denominator(vv, H0, eta0)
+    o, S_T, H_T = fused_hla2_chunk(
+        x.q * x.scale, x.k, vv, x.g, resets=resets, S0=S0, H0=H0, ridge=ridge,
+        chunk_size=x.chunk_size, mode=mode,
+    )
+    eta = None
+    if normalize:
+        o, H_T, eta = split_denominator(o, H_T, x.V, eps)
+    state = HLA2State(S_T, H_T, eta) if output_final_state else None
+    return o.to(x.q.dtype), state

@@ -1,0 +1,202 @@
+"""Backward Triton kernels of the primitive: dv, dq/dk with the per-token dA, dg.
+
+The derivation (dA_t = q_t . dq_t - k_t . dk_t, dg = reverse cumsum of dA) is in
+:mod:`hla_sp.kernels.chunk`, whose :func:`~hla_sp.kernels.chunk.chunk_bwd` launches them.
+"""
+
+from __future__ import annotations
+
+import triton.language as tl
+
+from ._jit import lazy_jit
+
+
+@lazy_jit
+def chunk_bwd_dv_kernel(
+    q,  # [B, T, H, K]
+    k,  # [B, T, H, K]
+    do,  # [B, T, H, V]
+    dhs,  # [B, H, N, K, V] fp32: gradient of the state leaving each chunk
+    g,  # [B, T, H] fp32 (HAS_G)
+    r,  # [B, T] int32 (HAS_R)
+    dv,  # [B, T, H, V]
+    T,
+    H,
+    K,
+    V,
+    N,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_G: tl.constexpr,
+    HAS_R: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """dv_j = sum_t D[t, j] (q_t . k_j) do_t + ws_j (k_j^T dh_n), one [BT, BV] block."""
+    i_n, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_bh = i_bh.to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_i = tl.arange(0, BT)
+    o_t = i_n * BT + o_i  # int32 is enough: T < 2^31; products with i_b are int64
+    m_t = o_t < T
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    # transposed mask: row j (key), column t (query)
+    m_Dt = o_i[:, None] <= o_i[None, :]
+    if HAS_G:
+        b_b = tl.cumsum(tl.load(g + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0), 0)
+    else:
+        b_b = tl.zeros([BT], dtype=tl.float32)
+    b_bC = tl.sum(tl.where(o_i == BT - 1, b_b, 0.0), 0)
+    b_ws = tl.exp(b_bC - b_b)
+    if HAS_R:
+        b_c = tl.cumsum(tl.load(r + i_b * T + o_t, mask=m_t, other=0), 0)
+        b_cC = tl.sum(tl.where(o_i == BT - 1, b_c, 0), 0)
+        b_ws = tl.where(b_c == b_cC, b_ws, 0.0)
+        m_Dt = m_Dt & (b_c[:, None] == b_c[None, :])
+    b_Dt = tl.exp(tl.where(m_Dt, b_b[None, :] - b_b[:, None], float("-inf")))  # [BT(j), BT(t)]
+
+    b_At = tl.zeros([BT, BT], dtype=tl.float32)  # (k_j . q_t)
+    b_dv = tl.zeros([BT, BV], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        p_qk = ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :]
+        b_q = tl.load(q + p_qk, mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_k = tl.load(k + p_qk, mask=m_t[:, None] & m_k[None, :], other=0.0)
+        p_dh = dhs + ((i_bh * N + i_n) * K + o_k[:, None]) * V + o_v[None, :]  # [BK, BV]
+        b_dh = tl.load(p_dh, mask=m_k[:, None] & m_v[None, :], other=0.0)
+        if UPCAST:
+            b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
+        b_At += tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC)
+        b_dh = b_dh.to(q.dtype.element_ty).to(b_k.dtype)
+        b_dv += tl.dot(b_k, b_dh, input_precision=DOT_PREC)
+    p_v = ((i_b * T + o_t[:, None]) * H + i_h) * V + o_v[None, :]
+    b_do = tl.load(do + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
+    if UPCAST:
+        b_do = b_do.to(tl.float32)
+    b_AD = (b_At * b_Dt).to(q.dtype.element_ty).to(b_do.dtype)
+    b_dv = b_dv * b_ws[:, None] + tl.dot(b_AD, b_do, input_precision=DOT_PREC)
+    tl.store(dv + p_v, b_dv.to(dv.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+
+
+@lazy_jit
+def chunk_bwd_dqk_kernel(
+    q,  # [B, T, H, K]
+    k,  # [B, T, H, K]
+    v,  # [B, T, H, V]
+    do,  # [B, T, H, V]
+    hs,  # [B, H, N, K, V] fp32 states entering each chunk
+    dhs,  # [B, H, N, K, V] fp32 gradients of the states leaving each chunk
+    g,  # [B, T, H] fp32 (HAS_G)
+    r,  # [B, T] int32 (HAS_R)
+    dq,  # [B, T, H, K]
+    dk,  # [B, T, H, K]
+    dA,  # [NK, B, T, H] fp32 per-token q.dq - k.dk of this K block (HAS_G)
+    T,
+    H,
+    K,
+    V,
+    N,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_G: tl.constexpr,
+    HAS_R: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """dq, dk of one chunk and one K block, and that block's share of dA.
+
+    dq_t = sum_j D[t, j] (do_t . v_j) k_j + wc_t (h_in do_t)
+    dk_j = sum_t D[t, j] (do_t . v_j) q_t + ws_j (dh_n v_j)
+    """
+    i_n, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_bh = i_bh.to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_i = tl.arange(0, BT)
+    o_t = i_n * BT + o_i  # int32 is enough: T < 2^31; products with i_b are int64
+    m_t = o_t < T
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    m_D = o_i[:, None] >= o_i[None, :]
+    if HAS_G:
+        b_b = tl.cumsum(tl.load(g + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0), 0)
+    else:
+        b_b = tl.zeros([BT], dtype=tl.float32)
+    b_bC = tl.sum(tl.where(o_i == BT - 1, b_b, 0.0), 0)
+    b_wc = tl.exp(b_b)
+    b_ws = tl.exp(b_bC - b_b)
+    if HAS_R:
+        b_c = tl.cumsum(tl.load(r + i_b * T + o_t, mask=m_t, other=0), 0)
+        b_cC = tl.sum(tl.where(o_i == BT - 1, b_c, 0), 0)
+        b_wc = tl.where(b_c == 0, b_wc, 0.0)
+        b_ws = tl.where(b_c == b_cC, b_ws, 0.0)
+        m_D = m_D & (b_c[:, None] == b_c[None, :])
+    b_D = tl.exp(tl.where(m_D, b_b[:, None] - b_b[None, :], float("-inf")))  # [BT, BT]
+
+    b_dP = tl.zeros([BT, BT], dtype=tl.float32)  # (do_t . v_j)
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        p_v = ((i_b * T + o_t[:, None]) * H + i_h) * V + o_v[None, :]  # [BT, BV]
+        b_v = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
+        b_do = tl.load(do + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
+        p_h = ((i_bh * N + i_n) * K + o_k[:, None]) * V + o_v[None, :]  # [BK, BV]
+        b_h = tl.load(hs + p_h, mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_dh = tl.load(dhs + p_h, mask=m_k[:, None] & m_v[None, :], other=0.0)
+        if UPCAST:
+            b_v, b_do = b_v.to(tl.float32), b_do.to(tl.float32)
+        b_h = b_h.to(q.dtype.element_ty).to(b_do.dtype)
+        b_dh = b_dh.to(q.dtype.element_ty).to(b_v.dtype)
+        b_dP += tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
+        b_dq += tl.dot(b_do, tl.trans(b_h), input_precision=DOT_PREC)
+        b_dk += tl.dot(b_v, tl.trans(b_dh), input_precision=DOT_PREC)
+    p_qk = ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :]  # [BT, BK]
+    m_qk = m_t[:, None] & m_k[None, :]
+    b_q = tl.load(q + p_qk, mask=m_qk, other=0.0)
+    b_k = tl.load(k + p_qk, mask=m_qk, other=0.0)
+    if UPCAST:
+        b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
+    b_dP = (b_dP * b_D).to(q.dtype.element_ty).to(b_q.dtype)
+    b_dq = b_dq * b_wc[:, None] + tl.dot(b_dP, b_k, input_precision=DOT_PREC)
+    b_dk = b_dk * b_ws[:, None] + tl.dot(tl.trans(b_dP), b_q, input_precision=DOT_PREC)
+    tl.store(dq + p_qk, b_dq.to(dq.dtype.element_ty), mask=m_qk)
+    tl.store(dk + p_qk, b_dk.to(dk.dtype.element_ty), mask=m_qk)
+    if HAS_G:
+        # this K block's part of dA_t = q_t . dq_t - k_t . dk_t, from the fp32 values
+        b_dA = tl.sum(b_q.to(tl.float32) * b_dq - b_k.to(tl.float32) * b_dk, 1)  # [BT]
+        n_b = tl.num_programs(2) // H  # B
+        p_dA = dA + ((i_k * n_b + i_b) * T + o_t) * H + i_h
+        tl.store(p_dA, b_dA, mask=m_t)
+
+
+@lazy_jit
+def reverse_cumsum_kernel(
+    dA,  # [NK, B, T, H] fp32
+    d_last,  # [B, H] fp32: <dh_T, h_T>, the last token's extra dA
+    dg,  # [B, T, H]
+    B,
+    T,
+    H,
+    N,
+    NK: tl.constexpr,
+    BT: tl.constexpr,
+):
+    """dg_t = d_last + sum_{s >= t} sum_k dA[k, s], chunk by chunk from the end."""
+    i_bh = tl.program_id(0).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_i = tl.arange(0, BT)
+    b_carry = tl.load(d_last + i_bh)
+    for i in range(N):
+        o_t = (N - 1 - i) * BT + o_i
+        m_t = o_t < T
+        b_dA = tl.zeros([BT], dtype=tl.float32)
+        for i_k in range(NK):
+            b_dA += tl.load(dA + ((i_k * B + i_b) * T + o_t) * H + i_h, mask=m_t, other=0.0)
+        b_dg = tl.cumsum(b_dA, 0, reverse=True) + b_carry
+        tl.store(dg + (i_b * T + o_t) * H + i_h, b_dg.to(dg.dtype.element_ty), mask=m_t)
+        b_carry += tl.sum(b_dA, 0)

@@ -1,0 +1,289 @@
+"""Triton kernels of the fused second-order HLA (k~ = S q kept on chip).
+
+The forms and the recurrences they compute are described in
+:mod:`hla_sp.kernels.hla2_fused`, whose launchers call these kernels.
+"""
+
+from __future__ import annotations
+
+import triton.language as tl
+
+from ._jit import lazy_jit
+
+
+@lazy_jit
+def fused_hla2_fwd_kernel(
+    q,  # [B, T, H, K]
+    k,  # [B, T, H, K]
+    v,  # [B, T, H, V]
+    g,  # [B, T, H] fp32 (HAS_G)
+    r,  # [B, T] int32 (HAS_R)
+    S0,  # [B, H, K, K] fp32 (HAS_S0)
+    H0,  # [B, H, K, V] fp32 (HAS_H0)
+    o,  # [B, T, H, V]
+    S_T,  # [B, H, K, K] fp32
+    H_T,  # [B, H, K, V] fp32
+    ridge,  # float
+    T,
+    H,
+    K,
+    V,
+    N,
+    BT: tl.constexpr,
+    BK: tl.constexpr,  # >= K: the whole key dimension
+    BV: tl.constexpr,
+    HAS_G: tl.constexpr,
+    HAS_R: tl.constexpr,
+    HAS_S0: tl.constexpr,
+    HAS_H0: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One (batch, head, V block): all chunks in order, S and H on chip."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_bh = i_bh.to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_i = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_kk = m_k[:, None] & m_k[None, :]
+    m_kv = m_k[:, None] & m_v[None, :]
+    m_causal = o_i[:, None] >= o_i[None, :]
+    # b_S: [BK, BK], b_H: [BK, BV], both fp32
+    if HAS_S0:
+        b_S = tl.load(S0 + (i_bh * K + o_k[:, None]) * K + o_k[None, :], mask=m_kk, other=0.0)
+    else:
+        b_S = tl.zeros([BK, BK], dtype=tl.float32)
+    if HAS_H0:
+        b_H = tl.load(H0 + (i_bh * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.0)
+    else:
+        b_H = tl.zeros([BK, BV], dtype=tl.float32)
+    for i_n in range(N):
+        o_t = i_n * BT + o_i
+        m_t = o_t < T
+        if HAS_G:
+            b_b = tl.cumsum(tl.load(g + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0), 0)
+        else:
+            b_b = tl.zeros([BT], dtype=tl.float32)
+        b_bC = tl.sum(tl.where(o_i == BT - 1, b_b, 0.0), 0)
+        b_wc = tl.exp(b_b)
+        b_ws = tl.exp(b_bC - b_b)
+        b_p = tl.exp(b_bC)
+        m_D = m_causal
+        if HAS_R:
+            b_c = tl.cumsum(tl.load(r + i_b * T + o_t, mask=m_t, other=0), 0)
+            b_cC = tl.sum(tl.where(o_i == BT - 1, b_c, 0), 0)
+            b_wc = tl.where(b_c == 0, b_wc, 0.0)
+            b_ws = tl.where(b_c == b_cC, b_ws, 0.0)
+            b_p = tl.where(b_cC == 0, b_p, 0.0)
+            m_D = m_D & (b_c[:, None] == b_c[None, :])
+        b_D = tl.exp(tl.where(m_D, b_b[:, None] - b_b[None, :], float("-inf")))  # [BT, BT]
+
+        p_qk = ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :]  # [BT, BK]
+        b_q = tl.load(q + p_qk, mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_k = tl.load(k + p_qk, mask=m_t[:, None] & m_k[None, :], other=0.0)
+        p_v = ((i_b * T + o_t[:, None]) * H + i_h) * V + o_v[None, :]  # [BT, BV]
+        b_v = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
+        if UPCAST:
+            b_q, b_k, b_v = b_q.to(tl.float32), b_k.to(tl.float32), b_v.to(tl.float32)
+        # stage 1: k~ [BT, BK] in fp32, kept on chip
+        b_A = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * b_D
+        b_kt = tl.dot(b_A.to(q.dtype.element_ty).to(b_k.dtype), b_k, input_precision=DOT_PREC)
+        b_qS = tl.dot(b_q, b_S.to(q.dtype.element_ty).to(b_q.dtype), input_precision=DOT_PREC)
+        b_kt = b_kt + b_wc[:, None] * b_qS + ridge * b_q.to(tl.float32)
+        b_ktd = b_kt.to(q.dtype.element_ty).to(b_q.dtype)  # dot operand
+        # stage 2: o [BT, BV]
+        b_B = tl.dot(b_q, tl.trans(b_ktd), input_precision=DOT_PREC) * b_D
+        b_o = tl.dot(b_B.to(q.dtype.element_ty).to(b_v.dtype), b_v, input_precision=DOT_PREC)
+        b_qH = tl.dot(b_q, b_H.to(q.dtype.element_ty).to(b_q.dtype), input_precision=DOT_PREC)
+        b_o += b_wc[:, None] * b_qH
+        tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+        # the states leaving the chunk
+        b_kw = (b_k * b_ws[:, None]).to(q.dtype.element_ty).to(b_k.dtype)
+        b_S = b_p * b_S + tl.dot(tl.trans(b_kw), b_k, input_precision=DOT_PREC)
+        b_ktw = (b_kt * b_ws[:, None]).to(q.dtype.element_ty).to(b_v.dtype)
+        b_H = b_p * b_H + tl.dot(tl.trans(b_ktw), b_v, input_precision=DOT_PREC)
+    tl.store(H_T + (i_bh * K + o_k[:, None]) * V + o_v[None, :], b_H, mask=m_kv)
+    if i_v == 0:
+        tl.store(S_T + (i_bh * K + o_k[:, None]) * K + o_k[None, :], b_S, mask=m_kk)
+
+
+@lazy_jit
+def hla2_state_kernel(
+    q,  # [B, T, H, K]
+    k,  # [B, T, H, K]
+    v,  # [B, T, H, V]
+    Ss,  # [B, H, N, K, K] fp32: stage-1 state entering each chunk
+    g,  # [B, T, H] fp32 (HAS_G)
+    r,  # [B, T] int32 (HAS_R)
+    hs,  # [B, H, N, K, V] fp32 out: stage-2 chunk states from zero
+    ridge,  # float
+    T,
+    H,
+    K,
+    V,
+    N,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_G: tl.constexpr,
+    HAS_R: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Stage-2 state of one chunk, block [BK (x), BV]: (k~[:, x] * ws)^T v, k~ on chip."""
+    i_n, i_xv, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NV = tl.cdiv(V, BV)
+    i_x, i_v = i_xv // NV, i_xv % NV
+    i_bh = i_bh.to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_i = tl.arange(0, BT)
+    o_t = i_n * BT + o_i
+    m_t = o_t < T
+    o_x = i_x * BK + tl.arange(0, BK)
+    m_x = o_x < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_D = o_i[:, None] >= o_i[None, :]
+    if HAS_G:
+        b_b = tl.cumsum(tl.load(g + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0), 0)
+    else:
+        b_b = tl.zeros([BT], dtype=tl.float32)
+    b_bC = tl.sum(tl.where(o_i == BT - 1, b_b, 0.0), 0)
+    b_wc = tl.exp(b_b)
+    b_ws = tl.exp(b_bC - b_b)
+    if HAS_R:
+        b_c = tl.cumsum(tl.load(r + i_b * T + o_t, mask=m_t, other=0), 0)
+        b_cC = tl.sum(tl.where(o_i == BT - 1, b_c, 0), 0)
+        b_wc = tl.where(b_c == 0, b_wc, 0.0)
+        b_ws = tl.where(b_c == b_cC, b_ws, 0.0)
+        m_D = m_D & (b_c[:, None] == b_c[None, :])
+    b_D = tl.exp(tl.where(m_D, b_b[:, None] - b_b[None, :], float("-inf")))  # [BT, BT]
+
+    # b_A: (q k^T) over all of K; b_qS: (q S_in)[:, x]
+    b_A = tl.zeros([BT, BT], dtype=tl.float32)
+    b_qS = tl.zeros([BT, BK], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        p_qk = ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :]  # [BT, BK]
+        b_q = tl.load(q + p_qk, mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_k = tl.load(k + p_qk, mask=m_t[:, None] & m_k[None, :], other=0.0)
+        p_S = Ss + ((i_bh * N + i_n) * K + o_k[:, None]) * K + o_x[None, :]  # [BK, BK]
+        b_S = tl.load(p_S, mask=m_k[:, None] & m_x[None, :], other=0.0)
+        if UPCAST:
+            b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
+        b_A += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
+        b_qS += tl.dot(b_q, b_S.to(q.dtype.element_ty).to(b_q.dtype), input_precision=DOT_PREC)
+    p_x = ((i_b * T + o_t[:, None]) * H + i_h) * K + o_x[None, :]  # [BT, BK]
+    b_qx = tl.load(q + p_x, mask=m_t[:, None] & m_x[None, :], other=0.0)
+    b_kx = tl.load(k + p_x, mask=m_t[:, None] & m_x[None, :], other=0.0)
+    p_v = ((i_b * T + o_t[:, None]) * H + i_h) * V + o_v[None, :]  # [BT, BV]
+    b_v = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
+    if UPCAST:
+        b_qx, b_kx, b_v = b_qx.to(tl.float32), b_kx.to(tl.float32), b_v.to(tl.float32)
+    b_AD = (b_A * b_D).to(q.dtype.element_ty).to(b_kx.dtype)
+    b_kt = tl.dot(b_AD, b_kx, input_precision=DOT_PREC) + b_wc[:, None] * b_qS
+    b_kt += ridge * b_qx.to(tl.float32)  # k~[:, x], [BT, BK] fp32
+    b_ktw = (b_kt * b_ws[:, None]).to(q.dtype.element_ty).to(b_v.dtype)
+    b_s = tl.dot(tl.trans(b_ktw), b_v, input_precision=DOT_PREC)  # [BK, BV]
+    p_s = hs + ((i_bh * N + i_n) * K + o_x[:, None]) * V + o_v[None, :]
+    tl.store(p_s, b_s, mask=m_x[:, None] & m_v[None, :])
+
+
+@lazy_jit
+def hla2_fwd_o_kernel(
+    q,  # [B, T, H, K]
+    k,  # [B, T, H, K]
+    v,  # [B, T, H, V]
+    Ss,  # [B, H, N, K, K] fp32: stage-1 state entering each chunk
+    hs,  # [B, H, N, K, V] fp32: stage-2 state entering each chunk
+    g,  # [B, T, H] fp32 (HAS_G)
+    r,  # [B, T] int32 (HAS_R)
+    o,  # [B, T, H, V] fp32
+    ridge,  # float
+    T,
+    H,
+    K,
+    V,
+    N,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_G: tl.constexpr,
+    HAS_R: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Outputs of one chunk, block [BT, BV]: ((q k~^T) * D) v + wc * (q H_in), k~ on chip."""
+    i_n, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_bh = i_bh.to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_i = tl.arange(0, BT)
+    o_t = i_n * BT + o_i
+    m_t = o_t < T
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_D = o_i[:, None] >= o_i[None, :]
+    if HAS_G:
+        b_b = tl.cumsum(tl.load(g + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0), 0)
+    else:
+        b_b = tl.zeros([BT], dtype=tl.float32)
+    b_wc = tl.exp(b_b)
+    if HAS_R:
+        b_c = tl.cumsum(tl.load(r + i_b * T + o_t, mask=m_t, other=0), 0)
+        b_wc = tl.where(b_c == 0, b_wc, 0.0)
+        m_D = m_D & (b_c[:, None] == b_c[None, :])
+    b_D = tl.exp(tl.where(m_D, b_b[:, None] - b_b[None, :], float("-inf")))  # [BT, BT]
+
+    NK = tl.cdiv(K, BK)
+    b_A = tl.zeros([BT, BT], dtype=tl.float32)  # q k^T
+    for i_k in range(NK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        p_qk = ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :]
+        b_q = tl.load(q + p_qk, mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_k = tl.load(k + p_qk, mask=m_t[:, None] & m_k[None, :], other=0.0)
+        if UPCAST:
+            b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
+        b_A += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
+    b_AD = (b_A * b_D).to(q.dtype.element_ty)  # [BT, BT] dot operand
+
+    b_Bm = tl.zeros([BT, BT], dtype=tl.float32)  # q k~^T
+    b_o = tl.zeros([BT, BV], dtype=tl.float32)  # q H_in
+    for i_x in range(NK):
+        o_x = i_x * BK + tl.arange(0, BK)
+        m_x = o_x < K
+        p_x = ((i_b * T + o_t[:, None]) * H + i_h) * K + o_x[None, :]
+        b_qx = tl.load(q + p_x, mask=m_t[:, None] & m_x[None, :], other=0.0)
+        b_kx = tl.load(k + p_x, mask=m_t[:, None] & m_x[None, :], other=0.0)
+        if UPCAST:
+            b_qx, b_kx = b_qx.to(tl.float32), b_kx.to(tl.float32)
+        # k~[:, x] = ((q k^T) * D) k[:, x] + wc * (q S_in)[:, x] + ridge q[:, x]
+        b_qS = tl.zeros([BT, BK], dtype=tl.float32)
+        for i_k in range(NK):
+            o_k = i_k * BK + tl.arange(0, BK)
+            m_k = o_k < K
+            p_qk = ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :]
+            b_q = tl.load(q + p_qk, mask=m_t[:, None] & m_k[None, :], other=0.0)
+            if UPCAST:
+                b_q = b_q.to(tl.float32)
+            p_S = Ss + ((i_bh * N + i_n) * K + o_k[:, None]) * K + o_x[None, :]
+            b_S = tl.load(p_S, mask=m_k[:, None] & m_x[None, :], other=0.0)
+            b_S = b_S.to(q.dtype.element_ty).to(b_q.dtype)
+            b_qS += tl.dot(b_q, b_S, input_precision=DOT_PREC)
+        b_kt = tl.dot(b_AD.to(b_kx.dtype), b_kx, input_precision=DOT_PREC)
+        b_kt += b_wc[:, None] * b_qS + ridge * b_qx.to(tl.float32)
+        b_ktd = b_kt.to(q.dtype.element_ty).to(b_qx.dtype)
+        b_Bm += tl.dot(b_qx, tl.trans(b_ktd), input_precision=DOT_PREC)
+        p_h = hs + ((i_bh * N + i_n) * K + o_x[:, None]) * V + o_v[None, :]  # [BK, BV]
+        b_h = tl.load(p_h, mask=m_x[:, None] & m_v[None, :], other=0.0)
+        b_o += tl.dot(b_qx, b_h.to(q.dtype.element_ty).to(b_qx.dtype), input_precision=DOT_PREC)
+    p_v = ((i_b * T + o_t[:, None]) * H + i_h) * V + o_v[None, :]
+    b_v = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
+    if UPCAST:
+        b_v = b_v.to(tl.float32)
+    b_BD = (b_Bm * b_D).to(q.dtype.element_ty).to(b_v.dtype)
+    b_o = b_o * b_wc[:, None] + tl.dot(b_BD, b_v, input_precision=DOT_PREC)
+    tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
