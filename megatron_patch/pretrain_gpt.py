@@ -8,13 +8,16 @@ transformer_engine imports and ``--transformer-impl transformer_engine``, else l
 
 ``megatron.training`` ships with megatron-core >= 0.17 (Python >= 3.12) or comes from a
 Megatron-LM checkout on PYTHONPATH; without it this module says so and exits with
-status 3. Both ``pretrain`` APIs are supported, found by signature: the one taking
-``(datasets_provider, model_provider, model_type, forward_step, ...)`` (megatron-core
-<= 0.18) and the one taking a config container first (0.19+).
+status 3. The three ``pretrain`` APIs (<= 0.17, 0.18, 0.19+) are told apart by what the
+installed version offers (:func:`hla_sp.megatron_patch.compat.pretrain_api`).
+
+``--hla-layer-pattern`` makes a hybrid stack (:mod:`hla_sp.megatron_patch.hybrid`).
 
 Silent failures guarded (status 2, before anything is built): ``--attention-backend
-local`` with HLA, ``--spec`` with HLA, and a ``--spec`` module that does not import.
-After the model is built, :func:`assert_hla_model` checks every layer really runs HLA.
+local`` with HLA, ``--spec`` with HLA, a ``--spec`` module that does not import, and
+the flags of :mod:`hla_sp.megatron_patch.guards` (MTP, legacy models, MLA, ...). After
+the model is built, :func:`assert_hla_model` (or, for a hybrid stack,
+:func:`assert_hybrid_model`) checks every layer runs the attention asked for.
 """
 
 from __future__ import annotations
@@ -29,6 +32,15 @@ from functools import partial
 from typing import Any
 
 from hla_sp.megatron_patch.args import add_hla_args, check_hla_args, hla_enabled, hla_spec_kwargs
+from hla_sp.megatron_patch.compat import cp_split, pretrain_api
+from hla_sp.megatron_patch.guards import add_bypass_flags, refuse_bypasses
+from hla_sp.megatron_patch.hybrid import (
+    add_hybrid_args,
+    assert_hybrid_model,
+    check_hybrid_parallel,
+    hybrid_block_spec,
+    layer_pattern,
+)
 
 EXIT_BAD_FLAGS = 2
 EXIT_NO_MEGATRON_TRAINING = 3
@@ -51,6 +63,11 @@ def missing_training_message(err: BaseException) -> str:
     )
 
 
+def extra_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron's extra_args_provider: the HLA flags and ``--hla-layer-pattern``."""
+    return add_hybrid_args(add_hla_args(parser))
+
+
 def prescan(argv: Sequence[str]) -> argparse.Namespace:
     """Read the flags that decide the layer before Megatron parses anything.
 
@@ -58,12 +75,56 @@ def prescan(argv: Sequence[str]) -> argparse.Namespace:
         ValueError: a combination under which HLA would silently not run.
     """
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    add_hla_args(p)
+    extra_args(p)
+    add_bypass_flags(p)
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--spec", nargs="*", default=None)
-    ns, _ = p.parse_known_args(list(argv))
+    p.add_argument("--num-layers", type=int, default=None)
+    p.add_argument("--context-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--transformer-impl", default="transformer_engine")
+    try:
+        ns, _ = p.parse_known_args(list(argv))
+    except SystemExit:  # a bad value of one of our flags: argparse has printed why
+        raise ValueError("see the message above") from None
     check_hla_args(ns)
+    check_args(ns, hla_route(ns))
     return ns
+
+
+def hla_route(args: Any, user_spec: Any = None) -> str | None:
+    """How HLA was asked for (quoted in refusals), or None for plain softmax."""
+    if hla_enabled(args):
+        return f"--attention {args.attention}"
+    if user_spec is not None and _expects_hla(user_spec):
+        return "--spec " + " ".join(args.spec)
+    return None
+
+
+def _use_te(args: Any) -> bool:
+    from hla_sp.megatron_patch.specs import te_available
+
+    return getattr(args, "transformer_impl", "local") == "transformer_engine" and te_available()
+
+
+def check_args(args: Any, route: str | None) -> None:
+    """The refusals that need all of Megatron's flags (pre-scan and parsed alike)."""
+    if route is None:
+        if getattr(args, "hla_layer_pattern", None) is not None:
+            raise ValueError("--hla-layer-pattern needs --attention hla2|ahla|hla3")
+        return
+    refuse_bypasses(args, route)
+    freq = getattr(args, "hla_layer_pattern", None)
+    if freq is not None:
+        if not hla_enabled(args):
+            raise ValueError(f"--hla-layer-pattern with {route}: use --attention instead")
+        if args.num_layers is None:
+            raise ValueError("--hla-layer-pattern needs --num-layers")
+        pattern = layer_pattern(freq, args.num_layers)
+        check_hybrid_parallel(
+            pattern, context_parallel_size=args.context_parallel_size,
+            pipeline_parallel_size=args.pipeline_model_parallel_size,
+            use_te=args.context_parallel_size > 1 and _use_te(args))
 
 
 def resolve_spec(spec: Sequence[str]) -> Any:
@@ -92,10 +153,10 @@ def _expects_hla(spec: Any) -> bool:
 
 
 def layer_spec_from_args(args: Any, user_spec: Any = None) -> Any:
-    """The transformer-layer spec the flags ask for."""
-    from hla_sp.megatron_patch.specs import get_hla_layer_spec, te_available
+    """The transformer-layer spec the flags ask for (a block spec for a hybrid stack)."""
+    from hla_sp.megatron_patch.specs import get_hla_layer_spec
 
-    use_te = getattr(args, "transformer_impl", "local") == "transformer_engine" and te_available()
+    use_te = _use_te(args)
     megatron_kwargs: dict[str, Any] = dict(
         num_experts=getattr(args, "num_experts", None),
         moe_grouped_gemm=getattr(args, "moe_grouped_gemm", False),
@@ -103,15 +164,22 @@ def layer_spec_from_args(args: Any, user_spec: Any = None) -> Any:
     )
     if not use_te:
         megatron_kwargs["normalization"] = getattr(args, "normalization", None)
-    if hla_enabled(args):
-        return get_hla_layer_spec(use_te=use_te, **hla_spec_kwargs(args), **megatron_kwargs)
-    if user_spec is not None:
-        return user_spec
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if use_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**megatron_kwargs)
-    return gpt_layer_specs.get_gpt_layer_local_spec(**megatron_kwargs)
+    def softmax_spec() -> Any:
+        if use_te:
+            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**megatron_kwargs)
+        return gpt_layer_specs.get_gpt_layer_local_spec(**megatron_kwargs)
+
+    if hla_enabled(args):
+        hla = get_hla_layer_spec(use_te=use_te, **hla_spec_kwargs(args), **megatron_kwargs)
+        freq = getattr(args, "hla_layer_pattern", None)
+        if freq is None:
+            return hla
+        return hybrid_block_spec(layer_pattern(freq, args.num_layers), hla, softmax_spec())
+    if user_spec is not None:
+        return user_spec
+    return softmax_spec()
 
 
 def _filter_kwargs(fn: Callable, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -129,12 +197,21 @@ class Trainer:
         self.user_spec = user_spec
         self.expect_hla = hla_enabled(ns) or (user_spec is not None and _expects_hla(user_spec))
         self.operator = ns.attention if hla_enabled(ns) else None
+        self.route = hla_route(ns, user_spec)
         self._checked = False
 
     # -- model -------------------------------------------------------------------------
     def check_model(self, model: Any) -> None:
         """Fail loudly when HLA was asked for and the model does not run it."""
-        if self.expect_hla and not self._checked:
+        freq = getattr(self.ns, "hla_layer_pattern", None)
+        if self.expect_hla and not self._checked and freq is not None:
+            from megatron.training import get_args
+
+            pattern = layer_pattern(freq, get_args().num_layers)
+            found = assert_hybrid_model(model, pattern, self.operator)
+            print(f"> hybrid stack, HLA where the pattern says 1: {pattern}; layers: "
+                  f"{[found[i] for i in sorted(found)]}", flush=True)
+        elif self.expect_hla and not self._checked:
             from hla_sp.megatron_patch.checks import assert_hla_model
 
             found = assert_hla_model(model, self.operator)
@@ -152,6 +229,7 @@ class Trainer:
 
         args = get_args()
         check_hla_args(args)
+        check_args(args, self.route)
         if config is None:
             config = core_transformer_config_from_args(args)
         kwargs = dict(
@@ -235,7 +313,7 @@ class Trainer:
         batch = {k: batch.get(k) for k in
                  ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")}
         if args.context_parallel_size > 1:
-            batch = _cp_split()(batch)
+            batch = cp_split(batch, ps.get_context_parallel_group())
         return (batch["tokens"], batch["labels"], batch["loss_mask"], batch["attention_mask"],
                 batch["position_ids"])
 
@@ -257,14 +335,6 @@ class Trainer:
         tokens, labels, loss_mask, attention_mask, position_ids = self.get_batch(data_iterator)
         out = model(tokens, position_ids, attention_mask, labels=labels)
         return out, partial(self.loss_func, loss_mask)
-
-
-def _cp_split() -> Callable:
-    try:
-        from megatron.core.utils import get_batch_on_this_cp_rank
-    except ImportError:
-        from megatron.training.utils import get_batch_on_this_cp_rank
-    return get_batch_on_this_cp_rank
 
 
 def _tokenizer(args: Any) -> Any:
@@ -299,27 +369,31 @@ def run(ns: argparse.Namespace, user_spec: Any = None) -> None:
     trainer = Trainer(ns, user_spec)
     datasets = partial(Trainer.datasets_provider, trainer)
     datasets.is_distributed = True  # type: ignore[attr-defined]  # as Megatron's script says
-    first = next(iter(inspect.signature(pretrain).parameters))
-    if first == "cfg_container":
-        # megatron-core 0.19+: parse here, put the spec in the model config, and let the
-        # config's builder make the model; forward_step checks it on its first call.
-        from megatron.training.argument_utils import (
-            gpt_config_from_args,
-            pretrain_cfg_container_from_args,
-        )
-        from megatron.training.arguments import parse_and_validate_args
-
-        args = parse_and_validate_args(extra_args_provider=add_hla_args,
-                                       args_defaults=ARGS_DEFAULTS)
-        check_hla_args(args)
-        model_cfg = gpt_config_from_args(args)
-        model_cfg.transformer_layer_spec = layer_spec_from_args(args, user_spec)
-        cfg = pretrain_cfg_container_from_args(args, model_cfg)
-        pretrain(cfg, datasets, ModelType.encoder_or_decoder, trainer.forward_step)
-    else:
+    route = pretrain_api(pretrain)
+    print(f"> megatron.training.pretrain: the {route!r} API", flush=True)
+    if route == "legacy":  # <= 0.17: pretrain parses the flags itself
         pretrain(datasets, trainer.model_provider, ModelType.encoder_or_decoder,
-                 trainer.forward_step, extra_args_provider=add_hla_args,
+                 trainer.forward_step, extra_args_provider=extra_args,
                  args_defaults=ARGS_DEFAULTS)
+        return
+    # 0.18 and 0.19+: the flags are parsed here into a config container.
+    from megatron.training import argument_utils
+    from megatron.training.arguments import parse_and_validate_args
+
+    args = parse_and_validate_args(extra_args_provider=extra_args, args_defaults=ARGS_DEFAULTS)
+    check_hla_args(args)
+    check_args(args, trainer.route)
+    if route == "provider":  # 0.18: the container, then the usual providers
+        cfg = argument_utils.pretrain_cfg_container_from_args(args)
+        pretrain(cfg, datasets, trainer.model_provider, ModelType.encoder_or_decoder,
+                 trainer.forward_step)
+        return
+    # 0.19+: the spec goes into the model config, whose builder makes the model;
+    # forward_step checks it on its first call.
+    model_cfg = argument_utils.gpt_config_from_args(args)
+    model_cfg.transformer_layer_spec = layer_spec_from_args(args, user_spec)
+    cfg = argument_utils.pretrain_cfg_container_from_args(args, model_cfg)
+    pretrain(cfg, datasets, ModelType.encoder_or_decoder, trainer.forward_step)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -330,6 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         user_spec = None
         if ns.spec and not hla_enabled(ns) and ns.spec != ["local"]:
             user_spec = resolve_spec(ns.spec)
+            check_args(ns, hla_route(ns, user_spec))
     except ValueError as e:
         print(f"hla_sp.megatron_patch.pretrain_gpt: error: {e}", file=sys.stderr)
         return EXIT_BAD_FLAGS

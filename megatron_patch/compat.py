@@ -1,0 +1,87 @@
+"""What differs between megatron-core releases, decided by what the installed one offers.
+
+* :func:`cp_split`: ``get_batch_on_this_cp_rank``. From 0.18 it takes a required
+  ``is_hybrid_cp`` and reads ``cp_group=None`` as the WORLD group (before 0.18, None
+  meant parallel_state's CP group). We always pass ``is_hybrid_cp=False`` where the
+  signature has it and the context-parallel group explicitly, so a run with data or
+  tensor parallelism beside CP splits over the right ranks.
+* :func:`pretrain_api`: three ``megatron.training.pretrain`` signatures:
+
+  ========  ==============================================================  =========
+  route     signature                                                       versions
+  ========  ==============================================================  =========
+  legacy    ``pretrain(datasets, model_provider, model_type, forward, ...)``  <= 0.17
+  provider  ``pretrain(cfg_container, datasets, model_provider, ...)``         0.18
+  config    ``pretrain(cfg_container, datasets, model_type, forward,``       0.19+
+            ``model_provider=None, ...)`` and ``gpt_config_from_args``
+  ========  ==============================================================  =========
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+PRETRAIN_ROUTES = ("legacy", "provider", "config")
+
+
+def pretrain_api(pretrain: Callable, argument_utils: Any = None) -> str:
+    """Which ``pretrain`` this is: "legacy", "provider" or "config" (see module doc).
+
+    Args:
+        pretrain: ``megatron.training.pretrain``.
+        argument_utils: ``megatron.training.argument_utils`` (None: imported if present).
+
+    Raises:
+        RuntimeError: a signature none of the three routes fits.
+    """
+    params = list(inspect.signature(pretrain).parameters.values())
+    names = [p.name for p in params]
+    if not names or names[0] != "cfg_container":
+        if "model_provider" in names[:3]:
+            return "legacy"
+        raise RuntimeError(f"megatron.training.pretrain{inspect.signature(pretrain)}: an API "
+                           "this entry point does not know; please report it")
+    provider = next((p for p in params if p.name == "model_provider"), None)
+    if provider is not None and provider.default is inspect.Parameter.empty:
+        return "provider"  # 0.18: the model still comes from model_provider
+    if argument_utils is None:
+        try:
+            argument_utils = importlib.import_module("megatron.training.argument_utils")
+        except ImportError:
+            argument_utils = None
+    if provider is not None and not hasattr(argument_utils, "gpt_config_from_args"):
+        return "provider"  # optional provider but no GPT model config to build from flags
+    if provider is None and not hasattr(argument_utils, "gpt_config_from_args"):
+        raise RuntimeError(f"megatron.training.pretrain{inspect.signature(pretrain)}: takes a "
+                           "config container but neither a model_provider nor "
+                           "argument_utils.gpt_config_from_args exists; please report it")
+    return "config"
+
+
+def cp_split(batch: dict[str, Any], cp_group: Any, fn: Callable | None = None) -> dict[str, Any]:
+    """``get_batch_on_this_cp_rank(batch)`` over ``cp_group``, on every version.
+
+    Args:
+        batch: the micro-batch (``tokens``, ``labels``, ... as [b, s, ...] tensors).
+        cp_group: the context-parallel process group (never None: from 0.18 None means
+            WORLD, which is wrong as soon as data or tensor parallelism is > 1).
+        fn: the function to call (default: megatron's, wherever this version has it).
+    """
+    if cp_group is None:
+        raise ValueError("cp_group: expected the context-parallel process group, got None "
+                         "(megatron-core >= 0.18 would split over WORLD)")
+    if fn is None:
+        try:
+            from megatron.core.utils import get_batch_on_this_cp_rank as fn
+        except ImportError:
+            from megatron.training.utils import get_batch_on_this_cp_rank as fn
+    params = inspect.signature(fn).parameters
+    kwargs: dict[str, Any] = {}
+    if "is_hybrid_cp" in params:
+        kwargs["is_hybrid_cp"] = False  # Megatron's hybrid CP is for packed SFT batches
+    if "cp_group" in params:
+        kwargs["cp_group"] = cp_group
+    return fn(batch, **kwargs)
