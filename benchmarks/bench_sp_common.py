@@ -19,8 +19,7 @@ import torch.distributed as dist
 
 import hla_sp
 from hla_sp.parallel import SequenceParallel, reset_traffic, shard, traffic
-from hla_sp.parallel import primitive as sp_primitive_module
-from hla_sp.parallel.exchange import blocked_seconds
+from hla_sp.parallel.comm import blocked_seconds
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -95,15 +94,6 @@ def timing_task(rank: int, P: int, T_local: int, H: int, K: int, V: int,
                 fn()
         return run
 
-    def no_overlap(fn):
-        def run():
-            sp_primitive_module.OVERLAP = False
-            try:
-                fn()
-            finally:
-                sp_primitive_module.OVERLAP = True
-        return run
-
     configs = {
         "local/fwd": no_grad(lambda: _layer(q, k, v, g, None)),
         "local/fwd_bwd": lambda: _fwd_bwd(q, k, v, g, None, w),
@@ -112,8 +102,8 @@ def timing_task(rank: int, P: int, T_local: int, H: int, K: int, V: int,
         sp = SequenceParallel(method=method)
         configs[f"{method}/fwd_bwd"] = lambda sp=sp: _fwd_bwd(q, k, v, g, sp, w)
         configs[f"{method}/fwd"] = no_grad(lambda sp=sp: _layer(q, k, v, g, sp))
-        configs[f"{method}/fwd_no_overlap"] = no_overlap(no_grad(lambda sp=sp: _layer(
-            q, k, v, g, sp)))
+        waits = SequenceParallel(method=method, overlap=False)  # exchange, then local work
+        configs[f"{method}/fwd_no_overlap"] = no_grad(lambda sp=waits: _layer(q, k, v, g, sp))
         configs[f"{method}/exchange_alone"] = no_grad(lambda sp=sp: _exchange_only(sp, q, k, v))
     times: dict[str, list[float]] = {name: [] for name in configs}
     for fn in configs.values():  # warm-up
@@ -135,8 +125,7 @@ def _exchange_only(sp: SequenceParallel, q, k, v) -> None:
     from hla_sp.parallel import summaries as S
 
     x = check_inputs(q, k, v, log_decay=None, scale=None, cu_seqlens=None, sp=sp, chunk_size=64)
-    sp.check_call(x, op="hla2", options=(False, 0.0, 1e-6))
-    plan = sp._plan
+    plan = sp.check_call(x, op="hla2", options=(False, 0.0, 1e-6))
     B, _, H, K = q.shape
     for Vd in (K, v.shape[-1]):
         shape = S.SummaryShape(B, H, K, Vd)

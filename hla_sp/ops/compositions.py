@@ -13,16 +13,14 @@ that bf16 inputs are rounded once, at the output.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from hla_sp.ops import validate
 from hla_sp.ops.chunk import compute_dtype
 from hla_sp.ops.linear_attention import DEFAULT_CHUNK_SIZE, primitive
-
-if TYPE_CHECKING:
-    from hla_sp.parallel import SequenceParallel
+from hla_sp.ops.sharding import SequenceParallelism
 
 DEFAULT_EPS = 1e-6
 
@@ -169,7 +167,7 @@ def _run(
     initial_state: object,
     output_final_state: bool,
     cu_seqlens: object,
-    sp: SequenceParallel | None,
+    sp: SequenceParallelism | None,
     chunk_size: object,
     normalize: bool = False,
     ridge: float = 0.0,
@@ -185,15 +183,17 @@ def _run(
     eps = validate.check_nonneg("eps", eps)
     fields = state_fields(operator, x.n_seq, x.H, x.H, x.K, x.V, normalize)
     state0 = _unpack_state(initial_state, fields, x.q)
+    plan = None
     if sp is not None:
         # output_final_state decides whether the final states are all-reduced: agree on it.
-        sp.check_call(x, op=operator, options=(normalize, ridge, eps, output_final_state))
+        plan = sp.check_call(x, op=operator, options=(normalize, ridge, eps, output_final_state))
     cdt = compute_dtype(x.q.dtype)
 
     def stage(qs: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, h0: torch.Tensor | None):
+        # every stage of the call carries its one plan (one ordering of its collectives)
         return primitive(
             qs, kk, vv, x.g, cu_seqlens=x.cu_seqlens, h0=h0, want_final=output_final_state,
-            chunk_size=x.chunk_size, sp=sp,
+            chunk_size=x.chunk_size, sp=sp, plan=plan,
         )
 
     o, final = compose(
@@ -217,7 +217,7 @@ def hla2(
     initial_state: HLA2State | tuple | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
-    sp: SequenceParallel | None = None,
+    sp: SequenceParallelism | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> tuple[torch.Tensor, HLA2State | None]:
     """Masked second-order HLA: o_t = sum_{i<=j<=t} exp(A_t - A_i)(q_t.k_i)(k_i.q_j) v_j.
@@ -251,7 +251,7 @@ def ahla(
     initial_state: AHLAState | tuple | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
-    sp: SequenceParallel | None = None,
+    sp: SequenceParallelism | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> tuple[torch.Tensor, AHLAState | None]:
     """Asymmetric HLA (AAV): o = ((W W) ⊙ L) V with W = L ⊙ QK^T, decay included.
@@ -275,7 +275,7 @@ def hla3(
     initial_state: HLA3State | tuple | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
-    sp: SequenceParallel | None = None,
+    sp: SequenceParallelism | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> tuple[torch.Tensor, HLA3State | None]:
     """Masked third-order HLA: o = (((W W^T) ⊙ L) W ⊙ L) V, middle index kept <= t.

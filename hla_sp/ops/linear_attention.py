@@ -11,16 +11,14 @@ carries), :func:`primitive` (routes to sequence parallelism when ``sp`` is given
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from hla_sp.ops import validate
 from hla_sp.ops.chunk import carry_term, document_resets, segment_summary
 from hla_sp.ops.custom_op import chunk_impl
-
-if TYPE_CHECKING:
-    from hla_sp.parallel import SequenceParallel
+from hla_sp.ops.sharding import SequenceParallelism
 
 DEFAULT_CHUNK_SIZE = 64
 
@@ -104,28 +102,21 @@ def primitive(
     h0: torch.Tensor | None = None,
     want_final: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
-    sp: SequenceParallel | None = None,
+    sp: SequenceParallelism | None = None,
+    plan: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`local_primitive`, or its sequence-parallel form when ``sp`` is given.
 
-    Under ``sp`` each rank passes its shard; ``cu_seqlens`` and ``h0`` are global.
+    Under ``sp`` each rank passes its shard; ``cu_seqlens`` and ``h0`` are global, and
+    ``plan`` is what ``sp.check_call`` returned for the call this stage belongs to.
     """
     if sp is None:
         return local_primitive(
             q, k, v, g, cu_seqlens=cu_seqlens, h0=h0, want_final=want_final, chunk_size=chunk_size
         )
-    from hla_sp.parallel.primitive import sp_primitive
-
-    return sp_primitive(
-        q,
-        k,
-        v,
-        g,
-        cu_seqlens=cu_seqlens,
-        h0=h0,
-        want_final=want_final,
-        chunk_size=chunk_size,
-        sp=sp,
+    return sp.primitive(
+        q, k, v, g, cu_seqlens=cu_seqlens, h0=h0, want_final=want_final,
+        chunk_size=chunk_size, plan=plan,
     )
 
 
@@ -139,7 +130,7 @@ def linear_attention(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
-    sp: SequenceParallel | None = None,
+    sp: SequenceParallelism | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Decayed causal linear attention (first order).
@@ -171,9 +162,10 @@ def linear_attention(
     )
     shape = (inputs.n_seq, inputs.H, inputs.K, inputs.V)
     h0 = validate.check_state("initial_state", initial_state, shape, inputs.q)
+    plan = None
     if sp is not None:
         # output_final_state decides whether the final state is all-reduced: agree on it.
-        sp.check_call(inputs, op="linear_attention", options=(output_final_state,))
+        plan = sp.check_call(inputs, op="linear_attention", options=(output_final_state,))
     return primitive(
         inputs.q * inputs.scale,
         inputs.k,
@@ -184,4 +176,5 @@ def linear_attention(
         want_final=output_final_state,
         chunk_size=inputs.chunk_size,
         sp=sp,
+        plan=plan,
     )

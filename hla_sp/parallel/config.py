@@ -4,26 +4,26 @@ Each public call checks, once and with one small all-gather, that every rank of 
 group agrees on the call (shapes, dtype, layout, method, operator and options,
 document boundaries) before any summary is exchanged. A mismatch raises the same
 ValueError on every rank, naming what differs and on which ranks, instead of
-hanging in a later collective. The gathered local lengths become the call's
-:class:`Plan`, which every primitive stage of the call reuses.
+hanging in a later collective. :meth:`SequenceParallel.check_call` returns the call's
+:class:`~hla_sp.parallel.plan.Plan`, which the caller hands to every primitive stage
+of the call: ``SequenceParallel`` itself is configuration. It implements the protocol
+:class:`hla_sp.ops.sharding.SequenceParallelism` that the operators call.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from hla_sp.parallel import exchange
-from hla_sp.parallel.layouts import LAYOUTS, Piece, layout_pieces
-
-if TYPE_CHECKING:
-    from hla_sp.ops.validate import Inputs
+from hla_sp.ops.validate import Inputs
+from hla_sp.parallel.comm import all_gather_single, count
+from hla_sp.parallel.layouts import LAYOUTS, layout_pieces
+from hla_sp.parallel.plan import Chain, Plan
+from hla_sp.parallel.primitive import sp_primitive
 
 METHODS = ("allgather", "ring", "tree")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -38,38 +38,6 @@ _OPS = ("linear_attention", "hla2", "ahla", "hla3")
 def _hash63(data: bytes) -> int:
     """A hash that is the same in every process (Python's hash() of str is salted)."""
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
-
-
-@dataclass
-class Plan:
-    """What every rank knows about one public call after :meth:`SequenceParallel.check_call`."""
-
-    rank: int
-    world_size: int
-    group: dist.ProcessGroup
-    lengths: list[int]  # local T of every rank
-    pieces: list[Piece]  # every piece, in global order
-    T: int  # global sequence length
-    needs_grad: bool  # grad mode is on: every rank builds the backward collectives
-    token: torch.Tensor | None  # orders this call's collectives in backward (exchange.py)
-    key: tuple[int, tuple[int, ...] | None]  # (local T, cu_seqlens) the plan was made for
-
-    def for_backward(self) -> Plan:
-        """This plan without its token, for an autograd context to keep.
-
-        A context holding the plan itself would close a cycle (plan -> token ->
-        grad_fn -> context -> plan) through autograd nodes, which Python's collector
-        cannot see: every call's graph and saved tensors would leak.
-        """
-        return dataclasses.replace(self, token=None)
-
-    @property
-    def own(self) -> list[Piece]:
-        """This rank's pieces in local (slot) order."""
-        return sorted((p for p in self.pieces if p.owner == self.rank), key=lambda p: p.slot)
-
-    def global_rank(self, group_rank: int) -> int:
-        return dist.get_global_rank(self.group, group_rank)
 
 
 @dataclass
@@ -100,7 +68,13 @@ class SequenceParallel:
     """How long the per-call agreement check waits for every rank to join it before
     raising (a rank that failed its own argument checks never joins); None waits as
     long as the process group's own timeout. 600 s is NCCL's default timeout."""
-    _plan: Plan | None = field(default=None, init=False, repr=False, compare=False)
+    overlap: bool = True
+    """Compute the local outputs while the summaries are exchanged. False waits for the
+    exchange first: benchmarks use it to measure how much of the exchange the overlap
+    hides. Results are the same either way."""
+    # Only for callers that still pass this object, not the plan, to the primitive
+    # (hla_sp.nn's GQA stages): the plan of the last check, looked up by plan_for.
+    _last_plan: Plan | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.group is not None and not isinstance(self.group, dist.ProcessGroup):
@@ -112,6 +86,8 @@ class SequenceParallel:
             raise ValueError(f"layout: expected one of {LAYOUTS}, got {self.layout!r}")
         if self.method not in METHODS:
             raise ValueError(f"method: expected one of {METHODS}, got {self.method!r}")
+        if not isinstance(self.overlap, bool):
+            raise TypeError(f"overlap: expected a bool, got {type(self.overlap).__name__}")
         t = self.check_timeout_s
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0):
             raise ValueError(f"check_timeout_s: expected a number > 0 or None, got {t!r}")
@@ -132,62 +108,20 @@ class SequenceParallel:
     def world_size(self) -> int:
         return dist.get_world_size(self._group())
 
-    def check_call(self, inputs: Inputs, *, op: str, options: tuple) -> None:
+    def check_call(self, inputs: Inputs, *, op: str, options: tuple) -> Plan:
         """Check that every rank agrees on this call; raise the same error everywhere.
 
-        One all-gather of a small int64 row per rank. On success, records the
-        call's :class:`Plan` for the primitive stages that follow.
+        One all-gather of a small int64 row per rank. Returns the call's :class:`Plan`,
+        which every primitive stage of the call takes (``plan=``).
         """
         group = self._group()
         rank, P = dist.get_rank(group), dist.get_world_size(group)
         cu = inputs.cu_seqlens
-        cu_key = None if cu is None else tuple(int(c) for c in cu.tolist())
-        row = [
-            inputs.B, inputs.H, inputs.K, inputs.V,
-            _DTYPES.index(inputs.q.dtype),
-            LAYOUTS.index(self.layout),
-            METHODS.index(self.method),
-            _OPS.index(op) if op in _OPS else _hash63(op.encode()),
-            _hash63(repr(tuple(options)).encode()),
-            -1 if cu_key is None else _hash63(repr(cu_key).encode()),
-            int(torch.is_grad_enabled()),
-            inputs.T,
-        ]
-        mine = torch.tensor(row, dtype=torch.int64, device=inputs.q.device)
-        rows = mine.new_empty(P * len(row))
-        if P > 1:
-            work = exchange.all_gather_single(rows, mine, group=group, async_op=True)
-            exchange.count("meta", (P - 1) * mine.numel() * mine.element_size())
-            try:
-                if self.check_timeout_s is None:
-                    work.wait()
-                else:
-                    work.wait(timeout=timedelta(seconds=self.check_timeout_s))
-            except RuntimeError as e:
-                raise RuntimeError(
-                    f"SequenceParallel: not every rank of the group joined the agreement "
-                    f"check of this {op} call within {self.check_timeout_s} s (a rank may "
-                    f"have failed its own argument checks or stopped); the group's state "
-                    f"is now undefined, restart it. ({e})"
-                ) from e
-        else:
-            rows.copy_(mine)
-        table = rows.view(P, len(row)).cpu().tolist()
-        problems = _disagreements(table)
-        lengths = [r[-1] for r in table]
-        total = sum(lengths)
-        if not problems:
-            if cu_key is not None and cu_key[-1] != total:
-                problems.append(
-                    f"cu_seqlens[-1] = {cu_key[-1]} but the local lengths {lengths} "
-                    f"(ranks 0..{P - 1}) sum to {total}"
-                )
-            if total == 0:
-                problems.append("every rank's shard is empty (global T = 0)")
-            if self.layout == "zigzag" and (len(set(lengths)) != 1 or lengths[0] % 2):
-                problems.append(
-                    f"zigzag layout needs the same even local T on every rank, got {lengths}"
-                )
+        bounds = None if cu is None else tuple(int(c) for c in cu.tolist())
+        row = self._metadata_row(inputs, op, options, bounds)
+        table = self._gather_rows(row, inputs.q.device, group, P, op)
+        lengths = tuple(r[-1] for r in table)
+        problems = _disagreements(table) or self._call_problems(lengths, bounds)
         if problems:
             # The same text on every rank: it is built from the gathered table only.
             raise ValueError(
@@ -196,16 +130,105 @@ class SequenceParallel:
             )
         needs_grad = torch.is_grad_enabled()
         token = torch.zeros((), dtype=torch.float32, requires_grad=needs_grad)
-        self._plan = Plan(
-            rank, P, group, lengths, layout_pieces(self.layout, lengths), total,
-            needs_grad, token, (inputs.T, cu_key),
+        plan = Plan(
+            rank=rank, world_size=P, group=group, method=self.method, overlap=self.overlap,
+            lengths=lengths, pieces=tuple(layout_pieces(self.layout, list(lengths))),
+            T=sum(lengths), bounds=bounds, needs_grad=needs_grad, chain=Chain(token),
+        )
+        self._last_plan = plan
+        return plan
+
+    def _metadata_row(
+        self, inputs: Inputs, op: str, options: tuple, bounds: tuple[int, ...] | None
+    ) -> list[int]:
+        """This rank's view of the call, one int per field of ``_FIELDS``."""
+        return [
+            inputs.B, inputs.H, inputs.K, inputs.V,
+            _DTYPES.index(inputs.q.dtype),
+            LAYOUTS.index(self.layout),
+            METHODS.index(self.method),
+            _OPS.index(op) if op in _OPS else _hash63(op.encode()),
+            _hash63(repr(tuple(options)).encode()),
+            -1 if bounds is None else _hash63(repr(bounds).encode()),
+            int(torch.is_grad_enabled()),
+            inputs.T,
+        ]
+
+    def _gather_rows(
+        self, row: list[int], device: torch.device, group: dist.ProcessGroup, P: int, op: str
+    ) -> list[list[int]]:
+        """Every rank's row [P][len(row)], waiting at most ``check_timeout_s``."""
+        mine = torch.tensor(row, dtype=torch.int64, device=device)
+        rows = mine.new_empty(P * len(row))
+        if P == 1:
+            rows.copy_(mine)
+            return rows.view(P, len(row)).cpu().tolist()
+        work = all_gather_single(rows, mine, group=group, async_op=True)
+        count("meta", (P - 1) * mine.numel() * mine.element_size())
+        try:
+            if self.check_timeout_s is None:
+                work.wait()
+            else:
+                work.wait(timeout=timedelta(seconds=self.check_timeout_s))
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"SequenceParallel: not every rank of the group joined the agreement "
+                f"check of this {op} call within {self.check_timeout_s} s (a rank may "
+                f"have failed its own argument checks or stopped); the group's state "
+                f"is now undefined, restart it. ({e})"
+            ) from e
+        return rows.view(P, len(row)).cpu().tolist()
+
+    def _call_problems(
+        self, lengths: tuple[int, ...], bounds: tuple[int, ...] | None
+    ) -> list[str]:
+        """What is wrong with a call the ranks agree on (same text on every rank)."""
+        problems = []
+        P, total = len(lengths), sum(lengths)
+        if bounds is not None and bounds[-1] != total:
+            problems.append(
+                f"cu_seqlens[-1] = {bounds[-1]} but the local lengths {list(lengths)} "
+                f"(ranks 0..{P - 1}) sum to {total}"
+            )
+        if total == 0:
+            problems.append("every rank's shard is empty (global T = 0)")
+        if self.layout == "zigzag" and (len(set(lengths)) != 1 or lengths[0] % 2):
+            problems.append(
+                f"zigzag layout needs the same even local T on every rank, got {list(lengths)}"
+            )
+        return problems
+
+    def primitive(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor | None,
+        *,
+        cu_seqlens: torch.Tensor | None,
+        h0: torch.Tensor | None,
+        want_final: bool,
+        chunk_size: int,
+        plan: Plan | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The primitive over this rank's shard under ``plan`` (see
+        :func:`hla_sp.parallel.primitive.sp_primitive`); without a plan, the last
+        checked call's (for callers that do not carry the plan yet)."""
+        if plan is None:
+            plan = self.plan_for(q, cu_seqlens)
+        return sp_primitive(
+            q, k, v, g, h0=h0, want_final=want_final, chunk_size=chunk_size, plan=plan
         )
 
     def plan_for(self, q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> Plan:
-        """The plan of the current call; the primitive stages of a call share it."""
-        cu_key = None if cu_seqlens is None else tuple(int(c) for c in cu_seqlens.tolist())
-        plan = self._plan
-        if plan is None or plan.key != (q.shape[1], cu_key):
+        """The plan of the last checked call, if it was made for this shard.
+
+        Only for callers that pass this object, not the plan :meth:`check_call`
+        returned, to the primitive stages.
+        """
+        bounds = None if cu_seqlens is None else tuple(int(c) for c in cu_seqlens.tolist())
+        plan = self._last_plan
+        if plan is None or not plan.matches(q.shape[1], bounds):
             raise RuntimeError(
                 "SequenceParallel: no checked call matches this shard (local T = "
                 f"{q.shape[1]}); the public operators call sp.check_call(...) before "

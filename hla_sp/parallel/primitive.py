@@ -12,15 +12,17 @@ For each of this rank's pieces (one for contiguous, two for zigzag):
 5. each document's final state is computed where the document ends, and one
    all-reduce shares them.
 
-The chunk algebra itself is :mod:`hla_sp.ops.chunk` and
-:func:`hla_sp.ops.linear_attention.local_primitive`, never re-implemented here.
+With ``overlap=False`` (a :class:`~hla_sp.parallel.SequenceParallel` option for
+benchmarks) step 2 waits before step 3. The chunk algebra itself is
+:mod:`hla_sp.ops.chunk` and :func:`hla_sp.ops.linear_attention.local_primitive`, never
+re-implemented here.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,14 +31,11 @@ from hla_sp.ops.linear_attention import local_primitive
 from hla_sp.parallel import exchange
 from hla_sp.parallel import summaries as S
 from hla_sp.parallel.layouts import Piece
-
-if TYPE_CHECKING:
-    from hla_sp.parallel.config import SequenceParallel
+from hla_sp.parallel.plan import Plan
 
 CARRY = -1  # a segment whose carry-in comes from the earlier pieces
-# Benchmark knob: False waits for the exchange before computing the local outputs,
-# which measures how much of the exchange the overlap hides. Always True in use.
-OVERLAP = True
+Tensor = torch.Tensor
+View = tuple[Tensor, Tensor, Tensor, "Tensor | None"]  # q, k, v, g of one piece
 
 
 @dataclass(frozen=True)
@@ -67,65 +66,90 @@ def _segments(p: Piece, starts: list[int], ends: set[int]) -> list[Segment]:
     return segs
 
 
-def _part(x: torch.Tensor | None, b: int, e: int) -> torch.Tensor | None:
+def _part(x: Tensor | None, b: int, e: int) -> Tensor | None:
     return None if x is None else x[:, b:e]
 
 
+@dataclass(frozen=True)
+class _Call:
+    """What the steps of one :func:`sp_primitive` call share."""
+
+    plan: Plan
+    shape: S.SummaryShape
+    cdt: torch.dtype
+    views: list[View]  # per own piece, in the compute dtype
+    segs: list[list[Segment]]  # per own piece
+    h0_of: Callable[[int], Tensor | None]  # a document's initial state, or None
+
+
 def sp_primitive(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor | None,
     *,
-    cu_seqlens: torch.Tensor | None,
-    h0: torch.Tensor | None,
+    h0: Tensor | None,
     want_final: bool,
     chunk_size: int,
-    sp: SequenceParallel,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`local_primitive` over the shards of a group.
+    plan: Plan,
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`local_primitive` over the shards of a group, under a checked call's plan.
 
     Args:
         q: [B, T_local, H, K] this rank's shard, already scaled. k: [B, T_local, H, K].
         v: [B, T_local, H, V]. g: [B, T_local, H] log-decay or None.
-        cu_seqlens: GLOBAL document offsets, int64 CPU [N + 1] (B == 1), or None.
         h0: GLOBAL initial states [N, H, K, V] (or [B, H, K, V]), or None.
         want_final: also return the global final states (on every rank).
-        sp: the :class:`SequenceParallel` whose ``check_call`` ran for this call.
+        plan: what ``SequenceParallel.check_call`` returned for this call; it holds the
+            global document offsets (B == 1), the pieces and the method.
 
     Returns:
         o [B, T_local, H, V] in q's dtype; final [N, H, K, V] (fp32, or fp64) or None.
     """
-    plan = sp.plan_for(q, cu_seqlens)
     B, _, H, K = q.shape
-    V = v.shape[-1]
     cdt = compute_dtype(q.dtype)
-    shape = S.SummaryShape(B, H, K, V)
-    if cu_seqlens is None:
-        starts, ends = [0], {plan.T}
-    else:
-        bounds = cu_seqlens.tolist()
-        starts, ends = bounds[:-1], set(bounds[1:])
+    starts, ends = plan.starts, plan.ends
+
     # The batch layout has one "document" per batch row: h0 and finals are [B, ...].
-    def h0_of(doc: int) -> torch.Tensor | None:
+    def h0_of(doc: int) -> Tensor | None:
         if h0 is None:
             return None
-        return (h0 if cu_seqlens is None else h0[doc : doc + 1]).to(cdt)
+        return (h0 if plan.bounds is None else h0[doc : doc + 1]).to(cdt)
 
-    own = plan.own
     qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)
     gc = None if g is None else g.to(cdt)
     views = []
-    for p in own:
+    for p in plan.own:
         s, e = p.local_offset, p.local_offset + p.length
         views.append((qc[:, s:e], kc[:, s:e], vc[:, s:e], _part(gc, s, e)))
-    segs = [_segments(p, starts, ends) for p in own]
+    call = _Call(
+        plan, S.SummaryShape(B, H, K, v.shape[-1]), cdt, views,
+        [_segments(p, starts, ends) for p in plan.own], h0_of,
+    )
+    Xs, last_state = _summaries(call, q.device)  # 1.
+    pending = exchange.start(plan.method, plan, call.shape, Xs.detach())  # 2.
+    carries = None
+    if not plan.overlap:
+        carries = exchange.scan(plan, call.shape, plan.method, Xs, pending, (q, k, v, g))
+    outs = _zero_state_outputs(call, h0 is not None, chunk_size)  # 3.
+    if carries is None:
+        carries = exchange.scan(plan, call.shape, plan.method, Xs, pending, (q, k, v, g))
+    carry_h = S.unpack(call.shape, carries)[0]  # [n, B, H, K, V]
+    o = _add_carries(call, outs, carry_h)  # 4.
+    final = _final_states(call, last_state, carry_h, q.device) if want_final else None  # 5.
+    return exchange.tie(o.to(q.dtype), plan), final
 
-    # 1. Summaries: the last segment's zero-state state, its document's h0 injected.
+
+def _summaries(
+    call: _Call, device: torch.device
+) -> tuple[Tensor, list[tuple[Tensor, Tensor] | None]]:
+    """Step 1: each piece's summary, its last segment's zero-state state with that
+    document's h0 injected. Returns X [n_own, D] and each last segment's (h, a)."""
+    shape, cdt = call.shape, call.cdt
     X, last_state = [], []
-    for (_, kp, vp, gp), sg in zip(views, segs):
+    for (_, kp, vp, gp), sg in zip(call.views, call.segs):
         if not sg:
-            X.append(S.identity(shape, cdt, q.device))
+            X.append(S.identity(shape, cdt, device))
             last_state.append(None)
             continue
         last = sg[-1]
@@ -134,22 +158,21 @@ def sp_primitive(
         )
         last_state.append((h, a))
         start = last.source != CARRY
-        h0d = h0_of(last.source) if start else None
+        h0d = call.h0_of(last.source) if start else None
         if h0d is not None:
             h = h + torch.exp(a)[..., None, None] * h0d
         a_tot = a if last.begin == 0 else (gp.sum(1) if gp is not None else torch.zeros_like(a))
         X.append(S.pack(shape, h, a_tot, start))
-    Xs = torch.stack(X) if X else torch.zeros(0, shape.size, dtype=cdt, device=q.device)
+    Xs = torch.stack(X) if X else torch.zeros(0, shape.size, dtype=cdt, device=device)
+    return Xs, last_state
 
-    # 2. The exchange starts ...
-    pending = exchange.start(sp.method, plan, shape, Xs.detach())
-    carries = None
-    if not OVERLAP:
-        carries = exchange.scan(plan, shape, sp.method, Xs, pending, (q, k, v, g))
 
-    # 3. ... while the zero-state outputs are computed.
+def _zero_state_outputs(call: _Call, has_h0: bool, chunk_size: int) -> list[Tensor]:
+    """Step 3: each piece's outputs with local resets at the document starts inside it;
+    the carried-in part of h0 is added once the carry is known (step 4)."""
+    B, H, K, V = call.shape.B, call.shape.H, call.shape.K, call.shape.V
     outs = []
-    for (qp, kp, vp, gp), sg in zip(views, segs):
+    for (qp, kp, vp, gp), sg in zip(call.views, call.segs):
         if not sg:
             outs.append(qp.new_zeros(B, 0, H, V))
             continue
@@ -157,50 +180,50 @@ def sp_primitive(
         if len(sg) > 1:
             local_cu = torch.tensor([sg[0].begin] + [x.end for x in sg], dtype=torch.int64)
         local_h0 = None
-        if h0 is not None:
-            # The carried-in part is added once the carry is known (step 4).
+        if has_h0:
             zero = qp.new_zeros(B, H, K, V)
-            parts = [h0_of(x.source) if x.source != CARRY else zero for x in sg]
-            local_h0 = torch.cat(parts) if cu_seqlens is not None else parts[0]
+            parts = [call.h0_of(x.source) if x.source != CARRY else zero for x in sg]
+            local_h0 = torch.cat(parts) if call.plan.bounds is not None else parts[0]
         o, _ = local_primitive(
             qp, kp, vp, gp, cu_seqlens=local_cu, h0=local_h0, chunk_size=chunk_size
         )
         outs.append(o)
+    return outs
 
-    # 4. Carries: add their terms to the tokens before each piece's first start.
-    if carries is None:
-        carries = exchange.scan(plan, shape, sp.method, Xs, pending, (q, k, v, g))
-    carry_h = S.unpack(shape, carries)[0]  # [n, B, H, K, V]
-    for j, ((qp, _, _, gp), sg) in enumerate(zip(views, segs)):
+
+def _add_carries(call: _Call, outs: list[Tensor], carry_h: Tensor) -> Tensor:
+    """Step 4: the carry's term on the tokens before each piece's first document start."""
+    for j, ((qp, _, _, gp), sg) in enumerate(zip(call.views, call.segs)):
         if sg and sg[0].source == CARRY:
             lead = sg[0].end
             term = carry_term(qp[:, :lead], _part(gp, 0, lead), carry_h[j])
             outs[j] = torch.cat([outs[j][:, :lead] + term, outs[j][:, lead:]], dim=1)
-    o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
-    # 5. Final states, each where its document ends, shared by one all-reduce.
-    final = None
-    if want_final:
-        n_doc = B if cu_seqlens is None else len(starts)
-        rows: dict[int, torch.Tensor] = {}
-        for j, ((_, kp, vp, gp), sg) in enumerate(zip(views, segs)):
-            for x in sg:
-                if not x.ends_doc:
-                    continue
-                if x is sg[-1]:
-                    h, a = last_state[j]
-                else:
-                    h, a = segment_summary(
-                        kp[:, x.begin : x.end], vp[:, x.begin : x.end], _part(gp, x.begin, x.end)
-                    )
-                c = carry_h[j] if x.source == CARRY else h0_of(x.source)
-                if c is not None:
-                    h = h + torch.exp(a)[..., None, None] * c
-                rows[x.doc] = h
-        if cu_seqlens is None:
-            mine = rows.get(0, torch.zeros(B, H, K, V, dtype=cdt, device=q.device))
-        else:
-            zero = torch.zeros(1, H, K, V, dtype=cdt, device=q.device)
-            mine = torch.cat([rows.get(i, zero) for i in range(n_doc)])
-        final = exchange.all_reduce(plan, mine)
-    return exchange.tie(o.to(q.dtype), plan), final
+
+def _final_states(
+    call: _Call, last_state: list, carry_h: Tensor, device: torch.device
+) -> Tensor:
+    """Step 5: each document's final state where it ends, shared by one all-reduce."""
+    B, H, K, V = call.shape.B, call.shape.H, call.shape.K, call.shape.V
+    rows: dict[int, Tensor] = {}
+    for j, ((_, kp, vp, gp), sg) in enumerate(zip(call.views, call.segs)):
+        for x in sg:
+            if not x.ends_doc:
+                continue
+            if x is sg[-1]:
+                h, a = last_state[j]
+            else:
+                h, a = segment_summary(
+                    kp[:, x.begin : x.end], vp[:, x.begin : x.end], _part(gp, x.begin, x.end)
+                )
+            c = carry_h[j] if x.source == CARRY else call.h0_of(x.source)
+            if c is not None:
+                h = h + torch.exp(a)[..., None, None] * c
+            rows[x.doc] = h
+    if call.plan.bounds is None:
+        mine = rows.get(0, torch.zeros(B, H, K, V, dtype=call.cdt, device=device))
+    else:
+        zero = torch.zeros(1, H, K, V, dtype=call.cdt, device=device)
+        mine = torch.cat([rows.get(i, zero) for i in range(len(call.plan.starts))])
+    return exchange.all_reduce(call.plan, mine)
