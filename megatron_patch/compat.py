@@ -85,3 +85,45 @@ def cp_split(batch: dict[str, Any], cp_group: Any, fn: Callable | None = None) -
     if "cp_group" in params:
         kwargs["cp_group"] = cp_group
     return fn(batch, **kwargs)
+
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+
+
+def tp_broadcast_batch(batch: dict[str, Any] | None, *, micro_batch_size: int, seq_length: int,
+                       with_attention_mask: bool, group: Any, src: int,
+                       device: Any) -> dict[str, Any]:
+    """The micro-batch of tensor-parallel rank 0, on every rank of its TP group.
+
+    Megatron builds the data loader on TP rank 0 only. Its own broadcast helper changed
+    signature in every release (``get_batch_on_this_tp_rank(data_iterator)`` up to 0.17,
+    a dozen keyword arguments in megatron.core.utils from 0.19), so the five tensors a
+    GPT step needs are broadcast here, with the shapes and dtypes Megatron's GPT
+    datasets give them.
+
+    Args:
+        batch: the batch on the source rank (``BATCH_KEYS``), None elsewhere.
+        group, src: the TP group and its rank 0 (a global rank).
+    """
+    import torch
+
+    shapes = {
+        "tokens": ((micro_batch_size, seq_length), torch.int64),
+        "labels": ((micro_batch_size, seq_length), torch.int64),
+        "loss_mask": ((micro_batch_size, seq_length), torch.float32),
+        "position_ids": ((micro_batch_size, seq_length), torch.int64),
+    }
+    if with_attention_mask:
+        shapes["attention_mask"] = ((micro_batch_size, 1, seq_length, seq_length), torch.bool)
+    is_src = torch.distributed.get_rank() == src
+    out: dict[str, Any] = dict.fromkeys(BATCH_KEYS)
+    for key, (shape, dtype) in shapes.items():
+        if is_src:
+            t = batch[key].to(device=device, dtype=dtype).contiguous()  # type: ignore[index]
+            if tuple(t.shape) != shape:
+                raise ValueError(f"batch[{key!r}]: expected shape {shape}, got {tuple(t.shape)}")
+        else:
+            t = torch.empty(shape, dtype=dtype, device=device)
+        torch.distributed.broadcast(t, src, group=group)
+        out[key] = t
+    return out

@@ -32,7 +32,7 @@ from functools import partial
 from typing import Any
 
 from hla_sp.megatron_patch.args import add_hla_args, check_hla_args, hla_enabled, hla_spec_kwargs
-from hla_sp.megatron_patch.compat import cp_split, pretrain_api
+from hla_sp.megatron_patch.compat import cp_split, pretrain_api, tp_broadcast_batch
 from hla_sp.megatron_patch.guards import add_bypass_flags, refuse_bypasses
 from hla_sp.megatron_patch.hybrid import (
     add_hybrid_args,
@@ -295,19 +295,18 @@ class Trainer:
         args = get_args()
         if not (ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage()):
             return None, None, None, None, None
+        device = torch.device("cuda", torch.cuda.current_device()) \
+            if torch.cuda.is_available() else torch.device("cpu")
         if ps.get_tensor_model_parallel_world_size() > 1:
-            from megatron.training import utils as tu
-
-            fn = getattr(tu, "get_batch_on_this_tp_rank", None)
-            if fn is None or next(iter(inspect.signature(fn).parameters)) != "data_iterator":
-                raise NotImplementedError(
-                    "tensor parallelism in this entry point needs megatron.training.utils."
-                    "get_batch_on_this_tp_rank(data_iterator); this megatron has none")
-            batch = fn(data_iterator)
+            raw = next(data_iterator) if ps.get_tensor_model_parallel_rank() == 0 else None
+            batch = tp_broadcast_batch(
+                raw, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
+                with_attention_mask=bool(getattr(args, "create_attention_mask_in_dataloader",
+                                                 False)),
+                group=ps.get_tensor_model_parallel_group(),
+                src=ps.get_tensor_model_parallel_src_rank(), device=device)
         else:
             raw = next(data_iterator)
-            device = torch.device("cuda", torch.cuda.current_device()) \
-                if torch.cuda.is_available() else torch.device("cpu")
             batch = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
                      for k, v in raw.items()}
         batch = {k: batch.get(k) for k in

@@ -1,0 +1,206 @@
+"""Megatron-LM's own ``pretrain()`` with HLA, megatron-core 0.17.1, 0.18.0 and 0.19.2.
+
+Each run is ``python -m hla_sp.megatron_patch.pretrain_gpt --attention hla2 ...`` (under
+``torch.distributed.run`` for several ranks) in the Python 3.12 environment that
+``make setup-megatron`` builds (.venv312/ plus .mcore/<version>/), on CPU with gloo,
+3 iterations of mock data. tests/megatron_cpu/ is put on PYTHONPATH: its
+sitecustomize lets Megatron run without CUDA (a test helper, not part of hla_sp).
+
+Checked for the <= 0.17 API (0.17.1) and the newest (0.19.2): the HLA check passes;
+CP = 2 reproduces CP = 1's losses within 1e-5; a softmax run of the same model gives
+other losses. On 0.19.2 also TP = 2 x CP = 2 (4 ranks) and a hybrid stack at CP = 1;
+on 0.18.0 (its own pretrain API) CP = 2 against CP = 1.
+
+Without the environment these tests skip, except under CI (``CI`` set and not
+"false"/"0"), where they fail: CI must run them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PY312 = Path(os.environ.get("HLA_SP_VENV312", ROOT / ".venv312")) / "bin" / "python"
+MCORE_DIR = Path(os.environ.get("HLA_SP_MCORE_DIR", ROOT / ".mcore"))
+SHIM = ROOT / "tests" / "megatron_cpu"
+# version -> the pretrain API it has (hla_sp.megatron_patch.compat.pretrain_api)
+VERSIONS = {"0.17.1": "legacy", "0.18.0": "provider", "0.19.2": "config"}
+ITERS = 3
+
+BASE = [
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
+    "--global-batch-size", "2", "--train-iters", str(ITERS), "--lr", "1e-3", "--mock-data",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+    "--make-vocab-size-divisible-by", "1", "--seed", "1234",
+    # what the CPU shim needs (see tests/megatron_cpu/sitecustomize.py)
+    "--distributed-backend", "gloo", "--rerun-mode", "disabled", "--use-cpu-initialization",
+    "--transformer-impl", "local", "--clip-grad", "0",
+    # fusions are torch.compile'd or CUDA kernels: off, so that a run takes seconds
+    "--no-gradient-accumulation-fusion", "--no-bias-dropout-fusion",
+    "--no-masked-softmax-fusion", "--no-persist-layer-norm", "--no-rope-fusion",
+    "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion",
+    "--attention-dropout", "0", "--hidden-dropout", "0",
+    "--position-embedding-type", "learned_absolute", "--log-interval", "1",
+    "--eval-iters", "0", "--eval-interval", "1000", "--num-workers", "0",
+]
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.Ee+-]+)")
+
+
+def in_ci() -> bool:
+    """Whether this is CI, where a missing environment is a failure, not a skip."""
+    return os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
+
+
+def require(version: str) -> None:
+    """Skip (fail under CI) unless the 3.12 environment with this version is built."""
+    missing = [str(p) for p in (PY312, MCORE_DIR / version / "megatron" / "training")
+               if not p.exists()]
+    if missing:
+        msg = (f"megatron-core {version} for Python 3.12 is not set up ({', '.join(missing)} "
+               "missing); run `make setup-megatron`")
+        if in_ci():
+            pytest.fail(msg + " (CI: these tests must run)")
+        pytest.skip(msg)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pretrain(version: str, nproc: int, *argv: str) -> tuple[subprocess.CompletedProcess, list]:
+    """Run the entry point; returns the process and the logged losses (iteration order)."""
+    require(version)
+    port = str(free_port())
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(SHIM), str(MCORE_DIR / version)]),
+        HLA_SP_MEGATRON_CPU_SHIM="1", CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+    )
+    entry = ["-m", "hla_sp.megatron_patch.pretrain_gpt", *BASE, *argv]
+    if nproc == 1:  # the command as a user types it
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        cmd = [str(PY312), *entry]
+    else:
+        cmd = [str(PY312), "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-addr", "127.0.0.1", "--master-port", port, *entry]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env, cwd=ROOT)
+    out = r.stdout + r.stderr
+    losses = {int(i): float(x) for i, x in LOSS.findall(out)}
+    return r, [losses[i] for i in sorted(losses)]
+
+
+def ok(r: subprocess.CompletedProcess, losses: list, what: str) -> list:
+    tail = (r.stdout + r.stderr)[-6000:]
+    assert r.returncode == 0, f"{what}: exit {r.returncode}\n{tail}"
+    assert len(losses) == ITERS, f"{what}: {ITERS} losses expected, got {losses}\n{tail}"
+    return losses
+
+
+_RUNS: dict[tuple, tuple] = {}
+
+
+def run_once(version: str, nproc: int, *argv: str) -> tuple[subprocess.CompletedProcess, list]:
+    """:func:`pretrain`, each command once per session (several tests read the same run)."""
+    key = (version, nproc, *argv)
+    if key not in _RUNS:
+        _RUNS[key] = pretrain(version, nproc, *argv)
+    return _RUNS[key]
+
+
+HLA = ("--attention", "hla2")
+CP2 = ("--context-parallel-size", "2")
+
+
+def close(a: list, b: list, tol: float = 1e-5) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= tol for x, y in zip(a, b))
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("version", ["0.17.1", "0.19.2"])
+def test_real_pretrain_hla_cp2_equals_cp1_and_differs_from_softmax(version):
+    r1, cp1 = run_once(version, 1, *HLA)
+    ok(r1, cp1, f"{version} HLA CP=1")
+    out = r1.stdout + r1.stderr
+    assert "> HLA attention in 2 layer(s): ['hla2']" in out  # the model check passed
+    assert f"megatron.training.pretrain: the '{VERSIONS[version]}' API" in out
+    r2, cp2 = run_once(version, 2, *HLA, *CP2)
+    ok(r2, cp2, f"{version} HLA CP=2")
+    assert (r2.stdout + r2.stderr).count("> HLA attention in 2 layer(s)") == 2  # both ranks
+    assert close(cp2, cp1), (cp1, cp2)
+    rs, soft = run_once(version, 1)
+    ok(rs, soft, f"{version} softmax CP=1")
+    assert "HLA attention" not in rs.stdout + rs.stderr
+    assert all(abs(x - y) > 1e-4 for x, y in zip(soft, cp1)), (soft, cp1)
+    assert cp1[-1] < cp1[0] and soft[-1] < soft[0], (cp1, soft)  # it trains
+
+
+@pytest.mark.timeout(900)
+def test_real_pretrain_018_provider_api_cp2_equals_cp1():
+    """0.18's pretrain takes a config container and a model_provider (a third API)."""
+    r1, cp1 = run_once("0.18.0", 1, *HLA)
+    ok(r1, cp1, "0.18.0 HLA CP=1")
+    assert "megatron.training.pretrain: the 'provider' API" in r1.stdout + r1.stderr
+    r2, cp2 = run_once("0.18.0", 2, *HLA, *CP2)
+    ok(r2, cp2, "0.18.0 HLA CP=2")
+    assert close(cp2, cp1), (cp1, cp2)
+
+
+@pytest.mark.timeout(900)
+def test_real_pretrain_tp2_cp2_equals_tp1_cp1():
+    """4 gloo ranks: TP = 2 x CP = 2. The batch is broadcast over the TP group and split
+    over the CP group (an explicit group: None means WORLD from 0.18)."""
+    r1, ref = run_once("0.19.2", 1, *HLA)
+    ok(r1, ref, "0.19.2 HLA TP=1 CP=1")
+    r4, tpcp = run_once("0.19.2", 4, *HLA, *CP2, "--tensor-model-parallel-size", "2")
+    ok(r4, tpcp, "0.19.2 HLA TP=2 CP=2")
+    assert close(tpcp, ref), (ref, tpcp)
+
+
+@pytest.mark.timeout(900)
+def test_real_pretrain_hybrid_stack_cp1():
+    """--hla-layer-pattern 2 on 2 layers: HLA then softmax; neither run's losses."""
+    r, hybrid = run_once("0.19.2", 1, *HLA, "--hla-layer-pattern", "2")
+    ok(r, hybrid, "0.19.2 hybrid")
+    out = r.stdout + r.stderr
+    assert "hybrid stack, HLA where the pattern says 1: [1, 0]; layers: ['hla2', " \
+           "'DotProductAttention']" in out, out[-3000:]
+    _, hla = run_once("0.19.2", 1, *HLA)
+    _, soft = run_once("0.19.2", 1)
+    for other in (hla, soft):
+        assert all(abs(x - y) > 1e-4 for x, y in zip(hybrid, other)), (hybrid, other)
+
+
+@pytest.mark.timeout(300)
+def test_real_pretrain_refuses_mtp_before_training():
+    """A bypass flag stops the real entry point with status 2 before Megatron starts."""
+    r, losses = pretrain("0.19.2", 1, *HLA, "--mtp-num-layers", "1")
+    assert r.returncode == 2 and not losses, (r.stdout + r.stderr)[-3000:]
+    assert "--mtp-num-layers 1 with --attention hla2" in r.stderr
+
+
+def test_versions_match_the_makefile():
+    """The versions tested here are the ones `make setup-megatron` installs."""
+    line = next(ln for ln in (ROOT / "Makefile").read_text().splitlines()
+                if ln.startswith("MCORE_VERSIONS"))
+    assert line.split("=", 1)[1].split() == list(VERSIONS)
+
+
+def test_missing_environment_fails_under_ci(monkeypatch, tmp_path):
+    """CI must not skip these tests silently: a missing environment is a failure there."""
+    monkeypatch.setattr(sys.modules[__name__], "PY312", tmp_path / "none" / "python")
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI: these tests must run"):
+        require("0.19.2")
+    monkeypatch.setenv("CI", "false")
+    with pytest.raises(pytest.skip.Exception, match="make setup-megatron"):
+        require("0.19.2")
