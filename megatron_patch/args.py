@@ -11,37 +11,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-ATTENTION_CHOICES = ("softmax", "hla2", "ahla", "hla3")
-DECAY_CHOICES = ("none", "fixed", "learned", "data")
-SP_METHOD_CHOICES = ("allgather", "ring", "tree")
-# Kept equal to hla_sp.nn.DEFAULT_DECAY and DEFAULT_CHUNK_SIZE (a test checks it);
-# repeated so that parsing flags needs no torch import.
-DEFAULT_DECAY = "learned"
-DEFAULT_CHUNK_SIZE = 64
+from hla_sp.config import HLA_OPERATORS, HLAConfig
 
-_FLAGS = ("--attention", "--hla-decay", "--hla-normalize", "--no-hla-normalize",
-          "--hla-ridge", "--hla-chunk-size", "--hla-sp-method")
-
-
-def _power_of_two(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a power of two, got {text!r}") from None
-    if n < 1 or n & (n - 1):
-        raise argparse.ArgumentTypeError(f"expected a power of two, got {n}")
-    return n
-
-
-def _nonneg_float(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a float >= 0, got {text!r}") from None
-    if not x >= 0:
-        raise argparse.ArgumentTypeError(f"expected a float >= 0, got {x}")
-    return x
-
+ATTENTION_CHOICES = ("softmax", *HLA_OPERATORS)
 
 def add_hla_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the HLA flags to ``parser`` and return it (Megatron's extra_args_provider).
@@ -52,7 +24,11 @@ def add_hla_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     if not isinstance(parser, argparse.ArgumentParser):
         raise TypeError(f"parser: expected an argparse.ArgumentParser, got "
                         f"{type(parser).__name__}")
-    taken = [f for f in _FLAGS if f in parser._option_string_actions]
+    flags = ["--attention"] + [
+        f"--{p}hla-{f.name.replace('_', '-')}" for f in HLAConfig.flag_fields()
+        for p in (("", "no-") if isinstance(f.default, bool) else ("",))
+    ]
+    taken = [f for f in flags if f in parser._option_string_actions]
     if taken:
         raise ValueError(f"parser: the HLA flags {taken} are already defined by this parser; "
                          "add_hla_args must be called once, on a parser without them")
@@ -60,17 +36,7 @@ def add_hla_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--attention", choices=ATTENTION_CHOICES, default="softmax",
                    help="Core attention: softmax leaves Megatron as it is; hla2, ahla, hla3 put "
                         "HLA in the core-attention slot of every layer.")
-    g.add_argument("--hla-decay", choices=DECAY_CHOICES, default=DEFAULT_DECAY,
-                   help="HLA decay: none, fixed (RetNet schedule), learned (per head), "
-                        "data (per token gate).")
-    g.add_argument("--hla-normalize", action=argparse.BooleanOptionalAction, default=False,
-                   help="hla2 only: divide by the paper's normaliser (can be near zero).")
-    g.add_argument("--hla-ridge", type=_nonneg_float, default=0.0,
-                   help="hla2 only: lambda of S + lambda I.")
-    g.add_argument("--hla-chunk-size", type=_power_of_two, default=DEFAULT_CHUNK_SIZE,
-                   help="Chunk length of the chunk-parallel path (a power of two).")
-    g.add_argument("--hla-sp-method", choices=SP_METHOD_CHOICES, default="allgather",
-                   help="Exchange of the segment summaries across the context-parallel group.")
+    HLAConfig.add_flags(g)  # --hla-decay, --hla-normalize, ...: choices and defaults from there
     return parser
 
 
@@ -83,9 +49,9 @@ def hla_spec_kwargs(args: Any) -> dict[str, Any]:
     """Keyword arguments of ``get_hla_layer_*_spec`` from parsed flags."""
     if not hla_enabled(args):
         raise ValueError("args.attention: expected one of hla2, ahla, hla3, got 'softmax'")
-    return dict(operator=args.attention, decay=args.hla_decay, normalize=args.hla_normalize,
-                ridge=args.hla_ridge, chunk_size=args.hla_chunk_size,
-                sp_method=args.hla_sp_method)
+    cfg = HLAConfig.from_flags(args, operator=args.attention)
+    return {f.name: getattr(cfg, f.name) for f in HLAConfig.flag_fields()} | {
+        "operator": cfg.operator}
 
 
 def check_hla_args(args: Any) -> None:

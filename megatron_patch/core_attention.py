@@ -22,11 +22,10 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
-from hla_sp.nn import DEFAULT_DECAY, DEFAULT_OPERATOR, HLAHeads
-from hla_sp.ops.compositions import DEFAULT_EPS
-from hla_sp.ops.linear_attention import DEFAULT_CHUNK_SIZE
+from hla_sp.config import SP_METHODS, HLAConfig
+from hla_sp.nn import HLAHeads
 
-SP_METHODS = ("allgather", "ring", "tree")
+_DEFAULTS = HLAConfig()  # the keyword defaults below are HLAConfig's
 # HLA is causal by construction; a THD batch may say padding_causal (its padding is
 # described by cu_seqlens, which we use).
 _CAUSAL = ("causal", "padding_causal")
@@ -73,15 +72,15 @@ class HLACoreAttention(MegatronModule):
         cp_comm_type: str | None = None,
         pg_collection: Any = None,
         *,
-        operator: str = DEFAULT_OPERATOR,
-        decay: str = DEFAULT_DECAY,
-        qk_norm: bool = True,
-        output_norm: bool = True,
-        normalize: bool = False,
-        eps: float = DEFAULT_EPS,
-        ridge: float = 0.0,
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
-        sp_method: str = "allgather",
+        operator: str = _DEFAULTS.operator,
+        decay: str = _DEFAULTS.decay,
+        qk_norm: bool = _DEFAULTS.qk_norm,
+        output_norm: bool = _DEFAULTS.output_norm,
+        normalize: bool = _DEFAULTS.normalize,
+        eps: float = _DEFAULTS.eps,
+        ridge: float = _DEFAULTS.ridge,
+        chunk_size: int = _DEFAULTS.chunk_size,
+        sp_method: str = _DEFAULTS.sp_method,
     ):
         super().__init__(config=config)
         self.config = config

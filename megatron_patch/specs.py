@@ -29,13 +29,12 @@ import importlib.util
 from typing import Any
 
 try:
-    from hla_sp.megatron_patch.core_attention import SP_METHODS, HLACoreAttention
+    from hla_sp.megatron_patch.core_attention import HLACoreAttention
     from megatron.core.models.gpt import gpt_layer_specs as _gpt_specs
     from megatron.core.transformer.attention import SelfAttentionSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from hla_sp.nn import DECAYS, DEFAULT_DECAY, DEFAULT_OPERATOR, OPERATORS
-    from hla_sp.ops.linear_attention import DEFAULT_CHUNK_SIZE
+    from hla_sp.config import DECAYS, OPERATORS, SP_METHODS, HLAConfig
 except ImportError as e:  # see the module docstring: never let --spec swallow this
     raise RuntimeError(
         f"hla_sp.megatron_patch.specs could not be imported ({type(e).__name__}: {e}). "
@@ -43,7 +42,8 @@ except ImportError as e:  # see the module docstring: never let --spec swallow t
         "install megatron-core and hla-sp in this environment."
     ) from e
 
-HLA_OPERATORS = ("hla2", "ahla", "hla3")
+_DEFAULTS = HLAConfig()  # the keyword defaults below are HLAConfig's
+
 
 
 class HLASelfAttentionSubmodules(SelfAttentionSubmodules):
@@ -68,15 +68,15 @@ def is_hla_builder(builder: Any) -> bool:
 
 
 def hla_core_attention_spec(
-    operator: str = DEFAULT_OPERATOR,
+    operator: str = _DEFAULTS.operator,
     *,
-    decay: str = DEFAULT_DECAY,
-    normalize: bool = False,
-    ridge: float = 0.0,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    sp_method: str = "allgather",
-    qk_norm: bool = True,
-    output_norm: bool = True,
+    decay: str = _DEFAULTS.decay,
+    normalize: bool = _DEFAULTS.normalize,
+    ridge: float = _DEFAULTS.ridge,
+    chunk_size: int = _DEFAULTS.chunk_size,
+    sp_method: str = _DEFAULTS.sp_method,
+    qk_norm: bool = _DEFAULTS.qk_norm,
+    output_norm: bool = _DEFAULTS.output_norm,
 ) -> ModuleSpec:
     """The ModuleSpec of HLACoreAttention with its options as params (checked here)."""
     if operator not in OPERATORS:
@@ -108,15 +108,15 @@ def _replace_core_attention(layer_spec: ModuleSpec, core: ModuleSpec) -> ModuleS
 
 
 def get_hla_layer_local_spec(
-    operator: str = DEFAULT_OPERATOR,
+    operator: str = _DEFAULTS.operator,
     *,
-    decay: str = DEFAULT_DECAY,
-    normalize: bool = False,
-    ridge: float = 0.0,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    sp_method: str = "allgather",
-    qk_norm: bool = True,
-    output_norm: bool = True,
+    decay: str = _DEFAULTS.decay,
+    normalize: bool = _DEFAULTS.normalize,
+    ridge: float = _DEFAULTS.ridge,
+    chunk_size: int = _DEFAULTS.chunk_size,
+    sp_method: str = _DEFAULTS.sp_method,
+    qk_norm: bool = _DEFAULTS.qk_norm,
+    output_norm: bool = _DEFAULTS.output_norm,
     **megatron_kwargs: Any,
 ) -> ModuleSpec:
     """``get_gpt_layer_local_spec(**megatron_kwargs)`` with HLA as core attention.
@@ -142,15 +142,15 @@ def te_available() -> bool:
 
 
 def get_hla_layer_te_spec(
-    operator: str = DEFAULT_OPERATOR,
+    operator: str = _DEFAULTS.operator,
     *,
-    decay: str = DEFAULT_DECAY,
-    normalize: bool = False,
-    ridge: float = 0.0,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    sp_method: str = "allgather",
-    qk_norm: bool = True,
-    output_norm: bool = True,
+    decay: str = _DEFAULTS.decay,
+    normalize: bool = _DEFAULTS.normalize,
+    ridge: float = _DEFAULTS.ridge,
+    chunk_size: int = _DEFAULTS.chunk_size,
+    sp_method: str = _DEFAULTS.sp_method,
+    qk_norm: bool = _DEFAULTS.qk_norm,
+    output_norm: bool = _DEFAULTS.output_norm,
     **megatron_kwargs: Any,
 ) -> ModuleSpec:
     """``get_gpt_layer_with_transformer_engine_spec`` with HLA as core attention.
@@ -167,7 +167,7 @@ def get_hla_layer_te_spec(
     return _replace_core_attention(te, core)
 
 
-def get_hla_layer_spec(operator: str = DEFAULT_OPERATOR, *, use_te: bool | None = None,
+def get_hla_layer_spec(operator: str = _DEFAULTS.operator, *, use_te: bool | None = None,
                        **kwargs: Any) -> ModuleSpec:
     """The TE variant when ``transformer_engine`` imports (or ``use_te``), else local."""
     if use_te is None:

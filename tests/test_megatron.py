@@ -73,13 +73,18 @@ def test_flags_twice_is_an_error():
         add_hla_args(object())  # type: ignore[arg-type]
 
 
-def test_flag_defaults_are_the_layer_defaults():
-    from hla_sp.megatron_patch import args as margs
+def test_flags_are_generated_from_hla_config():
+    from hla_sp.config import DECAYS, SP_METHODS, HLAConfig
 
-    from hla_sp.nn import DECAYS, DEFAULT_CHUNK_SIZE, DEFAULT_DECAY
-
-    assert margs.DEFAULT_DECAY == DEFAULT_DECAY and margs.DEFAULT_CHUNK_SIZE == DEFAULT_CHUNK_SIZE
-    assert margs.DECAY_CHOICES == DECAYS
+    p = add_hla_args(_megatron_like_parser())
+    defaults = p.parse_args([])
+    for f in HLAConfig.flag_fields():
+        assert getattr(defaults, f"hla_{f.name}") == f.default, f.name
+    actions = {a.dest: a for a in p._actions}
+    assert tuple(actions["hla_decay"].choices) == DECAYS
+    assert tuple(actions["hla_sp_method"].choices) == SP_METHODS
+    with pytest.raises(SystemExit):
+        p.parse_args(["--hla-chunk-size", "48"])  # not a power of two
 
 
 def test_check_hla_args_refuses_silent_failures():
@@ -161,7 +166,7 @@ def test_spec_import_error_is_not_swallowed(monkeypatch):
     from megatron.core.transformer.spec_utils import import_module
 
     monkeypatch.delitem(sys.modules, "hla_sp.megatron_patch.specs", raising=False)
-    monkeypatch.setitem(sys.modules, "hla_sp.nn", None)  # "not installed"
+    monkeypatch.setitem(sys.modules, "hla_sp.config", None)  # "not installed"
     with pytest.raises(RuntimeError, match="would hide this ImportError"):
         import_module(("hla_sp.megatron_patch.specs", "hla2_layer_spec"))
 

@@ -1,0 +1,160 @@
+"""The HLA options, defined once: :class:`HLAConfig`.
+
+Torch-free on purpose: flag parsers (Megatron's ``--hla-*`` flags, the trainer's) read
+it without paying for a torch import. The choices are ``Literal`` types, the tuples
+(:data:`OPERATORS`, :data:`DECAYS`, :data:`SP_METHODS`) are derived from them, and
+the command-line flags are generated from the fields (:meth:`HLAConfig.add_flags`).
+The layer takes :meth:`HLAConfig.heads_kwargs`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+Operator = Literal["hla2", "ahla", "hla3", "linear"]
+Decay = Literal["none", "fixed", "learned", "data"]
+SPMethod = Literal["allgather", "ring", "tree"]
+
+OPERATORS: tuple[str, ...] = get_args(Operator)
+DECAYS: tuple[str, ...] = get_args(Decay)
+SP_METHODS: tuple[str, ...] = get_args(SPMethod)
+# The operators Megatron's core-attention slot takes ("linear" is the layer's baseline).
+HLA_OPERATORS: tuple[str, ...] = ("hla2", "ahla", "hla3")
+
+# The layer's keyword arguments (HLAHeads / HLAttention), in their order.
+_HEADS_FIELDS = (
+    "operator", "decay", "qk_norm", "output_norm", "normalize", "eps", "ridge", "scale",
+    "chunk_size",
+)
+
+
+def _flag(help: str, **kw: Any) -> dict[str, Any]:
+    """Field metadata of an option that is also a ``--hla-*`` flag."""
+    return {"help": help, **kw}
+
+
+@dataclass(frozen=True)
+class HLAConfig:
+    """The options of HLA attention; frozen, checked on construction."""
+
+    operator: Operator = "hla2"
+    """The operator: hla2, ahla, hla3 (HLA), or linear (first order, a baseline)."""
+    decay: Decay = field(default="learned", metadata=_flag(
+        "HLA decay: none, fixed (RetNet schedule), learned (per head), data (per token gate)."))
+    """none, fixed (RetNet schedule per kv head), learned (per-kv-head parameter) or
+    data (per token). Learned is the default: stable at long context without tuning."""
+    qk_norm: bool = True
+    """L2-normalise q and k per head."""
+    output_norm: bool = True
+    """Per-head RMSNorm of the operator's output."""
+    normalize: bool = field(default=False, metadata=_flag(
+        "hla2 only: divide by the paper's normaliser (can be near zero)."))
+    """hla2 only: divide by the paper's normaliser q^T eta (eps added)."""
+    eps: float = 1e-6
+    """hla2 only: added to the normaliser."""
+    ridge: float = field(default=0.0, metadata=_flag("hla2 only: lambda of S + lambda I."))
+    """hla2 only: lambda of S + lambda I."""
+    scale: float | None = None
+    """Query scale; None means head_dim ** -0.5."""
+    chunk_size: int = field(default=64, metadata=_flag(
+        "Chunk length of the chunk-parallel path (a power of two)."))
+    """Chunk length of the chunk-parallel path, a power of two."""
+    sp_method: SPMethod = field(default="allgather", metadata=_flag(
+        "Exchange of the segment summaries across the context-parallel group."))
+    """Exchange of the segment summaries across a sequence-parallel group."""
+
+    def __post_init__(self) -> None:
+        for name, choices in (("operator", OPERATORS), ("decay", DECAYS),
+                              ("sp_method", SP_METHODS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name}: expected one of {choices}, got {getattr(self, name)!r}")
+        for name in ("qk_norm", "output_norm", "normalize"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        for name in ("eps", "ridge"):
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not (
+                math.isfinite(x) and x >= 0
+            ):
+                raise ValueError(f"{name}: expected a finite number >= 0, got {x!r}")
+        s = self.scale
+        if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float))
+                              or not (math.isfinite(s) and s > 0)):
+            raise ValueError(f"scale: expected a finite number > 0 or None, got {s!r}")
+        c = self.chunk_size
+        if isinstance(c, bool) or not isinstance(c, int) or c < 1 or c & (c - 1):
+            raise ValueError(f"chunk_size: expected a power of two, got {c!r}")
+
+    def heads_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``hla_sp.nn.HLAHeads`` / ``HLAttention``:
+        operator, decay, qk_norm, output_norm, normalize, eps, ridge, scale, chunk_size."""
+        return {name: getattr(self, name) for name in _HEADS_FIELDS}
+
+    def replace(self, **changes: Any) -> HLAConfig:
+        """A copy with ``changes`` (checked again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def flag_fields(cls) -> list[dataclasses.Field]:
+        """The fields that are command-line flags ``--hla-<name>``, in order."""
+        return [f for f in dataclasses.fields(cls) if "help" in f.metadata]
+
+    @classmethod
+    def add_flags(cls, group: Any, prefix: str = "--hla-") -> list[str]:
+        """Add one flag per :meth:`flag_fields` field to an argparse parser or group;
+        returns the option strings (``--hla-normalize`` also adds ``--no-hla-normalize``)."""
+        defaults = cls()
+        added = []
+        for f in cls.flag_fields():
+            flag = prefix + f.name.replace("_", "-")
+            default = getattr(defaults, f.name)
+            kw: dict[str, Any] = {"default": default, "help": f.metadata["help"]}
+            choices = _CHOICES.get(f.name)
+            if choices is not None:
+                kw["choices"] = choices
+            elif isinstance(default, bool):
+                kw["action"] = argparse.BooleanOptionalAction
+            else:
+                kw["type"] = _PARSERS[f.name]
+            group.add_argument(flag, **kw)
+            added.append(flag)
+            if isinstance(default, bool):
+                added.append("--no-" + flag[2:])
+        return added
+
+    @classmethod
+    def from_flags(cls, args: Any, operator: str, prefix: str = "hla_") -> HLAConfig:
+        """The config of parsed flags (``args.hla_decay`` ...) with ``operator``."""
+        values = {f.name: getattr(args, prefix + f.name) for f in cls.flag_fields()
+                  if hasattr(args, prefix + f.name)}
+        return cls(operator=operator, **values)
+
+
+def _power_of_two(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a power of two, got {text!r}") from None
+    if n < 1 or n & (n - 1):
+        raise argparse.ArgumentTypeError(f"expected a power of two, got {n}")
+    return n
+
+
+def _nonneg_float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a float >= 0, got {text!r}") from None
+    if not x >= 0:
+        raise argparse.ArgumentTypeError(f"expected a float >= 0, got {x}")
+    return x
+
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "operator": OPERATORS, "decay": DECAYS, "sp_method": SP_METHODS,
+}
+_PARSERS = {"ridge": _nonneg_float, "chunk_size": _power_of_two}
