@@ -2,7 +2,7 @@
 
 Checked against the single-process chunked result (run afterwards in this process,
 on the same seeded tensors): outputs and q, k, v gradients within the fp32
-tolerance of the tests (tests/test_parallel_cases.py), i.e. at most FP32_FACTOR times
+tolerance of the tests (tests/parallel_cases.py), i.e. at most FP32_FACTOR times
 the single-process fp32 error against an fp64 run, + FP32_FLOOR. The fp64 truth at
 this length would need ~2x the memory of the fp32 run, so here the fp32 single-process
 result stands in as reference and the bound is taken from its own error on a
@@ -84,7 +84,7 @@ def main(T: int = 1 << 20, P: int = 4, H: int = 1, K: int = 16, V: int = 16,
     _, r32 = single(*sl[:3], g, sl[3], chunk, torch.float32)
     _, r64 = single(*sl[:3], g, sl[3], chunk, torch.float64)
     scale = {n: rel(a, b) for n, a, b in zip(names, r32, r64)}
-    from test_parallel_cases import FP32_FACTOR, FP32_FLOOR
+    from parallel_cases import FP32_FACTOR, FP32_FLOOR
 
     ok = {n: errs[n] <= FP32_FACTOR * scale[n] + FP32_FLOOR for n in names}
     data.update({

@@ -21,8 +21,6 @@ import pytest
 import torch
 
 megatron_core = pytest.importorskip("megatron.core")
-pytest.importorskip("hla_sp.parallel.primitive", reason="hla_sp.parallel is not built yet")
-
 VOCAB, T = 64, 48
 
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("hla_sp.parallel.primitive", reason="hla_sp.parallel is not built yet")
-
 T = 40
 
 

@@ -1,7 +1,7 @@
 """The places where hla-sp departs from the paper, shown in numbers.
 
-Run with ``-s`` to see the table each test prints. DESIGN.md section 1 and
-docs/math.md explain why we chose what we chose.
+Run with ``-s`` to see the table each test prints. docs/math.md (section 6)
+explains why we chose what we chose.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ method and layout; even, uneven and empty shards (first, middle, last rank); dec
 per head and per token; packed documents crossing one and several rank boundaries
 (one boundary exactly at a shard edge); initial and final states; fp64 to 1e-10
 relative and fp32 within a multiple of the single-process fp32 error (see
-``test_parallel_cases``).
+``parallel_cases``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from test_parallel_cases import case, run_cases
+from parallel_cases import case, run_cases
 
 OPS = ("la", "hla2", "ahla", "hla3")
 METHODS = ("allgather", "ring", "tree")

@@ -44,7 +44,7 @@ def _summary(k, v, g):
 
 def _combine(x, y):
     """(h_A, a_A) ⊕ (h_B, a_B) = (exp(a_B) h_A + h_B, a_A + a_B): written here from
-    DESIGN.md section 2, independently of hla_sp.parallel, as the specification."""
+    docs/math.md section 4, independently of hla_sp.parallel, as the specification."""
     (hx, ax), (hy, ay) = x, y
     return torch.exp(ay)[..., None, None] * hx + hy, ax + ay
 

@@ -1,8 +1,8 @@
 """The chunk-parallel PyTorch path of the primitive, decayed causal linear attention.
 
 Inside a chunk of C tokens the work is masked matmuls; between chunks a state of
-size K x V is passed on. This is the algebra of the segment summaries (DESIGN.md
-section 2) with chunks in place of ranks:
+size K x V is passed on. This is the algebra of the segment summaries (docs/math.md
+section 4) with chunks in place of ranks:
 
     summary of chunk n:   s_n = sum_j exp(b_C - b_j) k_j v_j^T,  pass factor p_n = exp(b_C)
     state after chunk n:  h_n = p_n h_{n-1} + s_n

@@ -1,4 +1,4 @@
-"""Segment summaries of the primitive and their associative operator ⊕ (DESIGN §2).
+"""Segment summaries of the primitive and their associative operator ⊕ (docs/math.md §4).
 
 A summary of a contiguous segment is (h, a, s): the state the segment produces from a
 zero state [B, H, K, V], its total log-decay [B, H], and a flag s, 1 when the

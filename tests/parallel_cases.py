@@ -1,4 +1,4 @@
-"""Shared case runner of the sequence-parallel tests (no tests of its own).
+"""Shared case runner of the sequence-parallel tests (a helper module: no tests of its own).
 
 A case is a dict; :func:`run_cases` is a World task: every rank builds the same
 seeded global tensors, computes the single-process result and its gradients, then
