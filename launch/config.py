@@ -202,6 +202,9 @@ def add_hla_flags(parser: argparse.ArgumentParser) -> None:
     from hla_sp.megatron_patch import add_hla_args
 
     add_hla_args(parser)
+    from hla_sp.megatron_patch.hybrid import add_hybrid_args
+
+    add_hybrid_args(parser)  # --hla-layer-pattern: HLA in some layers, softmax in the rest
     # The trainer exists to train HLA; Megatron's own entry point keeps softmax as default.
     parser.set_defaults(attention="hla2")
 
@@ -378,6 +381,10 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
 
     try:
         check_hla_args(argparse.Namespace(**cfg.hla))
+        from hla_sp.megatron_patch.hybrid import check_trainer_hybrid
+
+        check_trainer_hybrid(cfg.hla, num_layers=cfg.num_layers, context_parallel_size=cp,
+                             cuda=_cuda_available())
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if cfg.attention == "softmax" and not _cuda_available():

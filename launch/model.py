@@ -32,7 +32,14 @@ def layer_spec(cfg: TrainConfig) -> Any:
         return get_gpt_layer_local_spec()
     from hla_sp.megatron_patch import get_hla_layer_local_spec, hla_spec_kwargs
 
-    return get_hla_layer_local_spec(**hla_spec_kwargs(argparse.Namespace(**cfg.hla)))
+    spec = get_hla_layer_local_spec(**hla_spec_kwargs(argparse.Namespace(**cfg.hla)))
+    if cfg.hla.get("hla_layer_pattern") is None:
+        return spec
+    from hla_sp.megatron_patch.hybrid import hybrid_block_spec, layer_pattern
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    pattern = layer_pattern(cfg.hla["hla_layer_pattern"], cfg.num_layers)
+    return hybrid_block_spec(pattern, spec, get_gpt_layer_local_spec())
 
 
 def transformer_config(cfg: TrainConfig) -> Any:
@@ -120,7 +127,12 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
     )
     granularity = cfg.recompute_granularity or ("selective" if cfg.recompute_activations else None)
     apply_recompute(model, granularity)
-    if cfg.attention != "softmax":
+    if cfg.hla.get("hla_layer_pattern") is not None:
+        from hla_sp.megatron_patch.hybrid import assert_hybrid_model, layer_pattern
+
+        assert_hybrid_model(model, layer_pattern(cfg.hla["hla_layer_pattern"], cfg.num_layers),
+                            cfg.attention)
+    elif cfg.attention != "softmax":
         from hla_sp.megatron_patch import assert_hla_model
 
         assert_hla_model(model, cfg.attention)

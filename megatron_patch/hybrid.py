@@ -164,3 +164,31 @@ def assert_hybrid_model(model: Any, pattern: list[int], operator: str | None = N
         raise RuntimeError("the model does not follow --hla-layer-pattern "
                            f"{pattern}: " + "; ".join(problems[:4]))
     return found
+
+
+def check_trainer_hybrid(hla: dict[str, Any], *, num_layers: int, context_parallel_size: int,
+                         cuda: bool) -> list[int] | None:
+    """``hla-sp train``'s checks of ``--hla-layer-pattern``; returns the pattern or None.
+
+    The trainer builds the local (non-TE) spec, so its softmax layers are megatron-core's
+    DotProductAttention: CUDA only, and without context parallelism.
+
+    Raises:
+        ValueError: the pattern with --attention softmax, a bad pattern, softmax layers at
+            CP > 1, or softmax layers without CUDA.
+    """
+    freq = hla.get("hla_layer_pattern")
+    if freq is None:
+        return None
+    if hla.get("attention", "softmax") == "softmax":
+        raise ValueError("--hla-layer-pattern needs --attention hla2|ahla|hla3")
+    pattern = layer_pattern(freq, num_layers)
+    if all(pattern):
+        return pattern
+    check_hybrid_parallel(pattern, context_parallel_size=context_parallel_size, use_te=False)
+    if not cuda:
+        raise ValueError(
+            f"--hla-layer-pattern {freq}: the {pattern.count(0)} softmax layer(s) run "
+            "megatron-core's DotProductAttention, which needs CUDA; on CPU make every layer "
+            "HLA (drop --hla-layer-pattern)")
+    return pattern
