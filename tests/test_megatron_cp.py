@@ -1,9 +1,10 @@
 """megatron-core GPTModel with the HLA spec: context parallelism reproduces one rank.
 
-The batch is split by megatron-core's own ``get_batch_on_this_cp_rank`` (zigzag); the
-HLA core attention runs sequence parallelism on that split. Loss, logits and every
-parameter's gradient (summed over the CP group, as Megatron's DDP reduction does) must
-match CP = 1.
+The batch is split by megatron-core's own ``get_batch_on_this_cp_rank`` (zigzag, called
+through ``compat.cp_split`` with the CP group, as the entry point does); the HLA core
+attention runs sequence parallelism on that split. Loss, logits and every parameter's
+gradient (summed over the CP group, as Megatron's DDP reduction does) must match
+CP = 1. TP = 2 x CP = 2 on 4 ranks must match TP = 1 x CP = 1 in loss and per-token loss.
 
 Tolerance (fp32): the CP result differs from CP = 1 only in the order of floating-point
 sums (the state carried across ranks is the same sum, associated differently) and the
@@ -24,17 +25,17 @@ megatron_core = pytest.importorskip("megatron.core")
 VOCAB, T = 64, 48
 
 
-def _setup(world_size: int) -> None:
+def _setup(world_size: int, tp: int = 1) -> None:
     warnings.simplefilter("ignore")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=1, context_parallel_size=world_size
+        tensor_model_parallel_size=tp, context_parallel_size=world_size // tp
     )
 
 
-def _build(case: dict, world_size: int):
+def _build(case: dict, world_size: int, tp: int = 1):
     from hla_sp.megatron_patch import get_hla_layer_local_spec
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -42,7 +43,8 @@ def _build(case: dict, world_size: int):
     cfg = TransformerConfig(
         num_layers=2, hidden_size=32, num_attention_heads=4,
         num_query_groups=case["groups"], ffn_hidden_size=64, use_cpu_initialization=True,
-        attention_dropout=0.0, hidden_dropout=0.0, context_parallel_size=world_size,
+        attention_dropout=0.0, hidden_dropout=0.0, context_parallel_size=world_size // tp,
+        tensor_model_parallel_size=tp,
         bias_dropout_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
     )
@@ -89,8 +91,8 @@ def gpt_task(rank: int, world_size: int, case: dict, state: dict | None) -> dict
     """Forward + backward of the GPT model on this rank's CP shard."""
     import torch.distributed as dist
     from hla_sp.megatron_patch import assert_hla_model
+    from hla_sp.megatron_patch.compat import cp_split
     from megatron.core import parallel_state
-    from megatron.core.utils import get_batch_on_this_cp_rank
 
     _setup(world_size)
     try:
@@ -100,7 +102,7 @@ def gpt_task(rank: int, world_size: int, case: dict, state: dict | None) -> dict
             model.load_state_dict(state)
         batch, params = _batch(case)
         n_tokens = batch["loss_mask"].sum()
-        batch = get_batch_on_this_cp_rank(batch)
+        batch = cp_split(batch, parallel_state.get_context_parallel_group())
         logits = model(batch["tokens"], batch["position_ids"], None, packed_seq_params=params)
         ce = torch.nn.functional.cross_entropy(
             logits.float().reshape(-1, VOCAB), batch["labels"].reshape(-1), reduction="none"
@@ -169,3 +171,50 @@ def test_cp_matches_single_rank(world, references, name, cp):
     # The HLA parameters do get gradient (decay and norms are trained under CP).
     hla = [n for n in grads if ".core_attention." in n]
     assert hla and all(grads[n].abs().sum() > 0 for n in hla), hla
+
+
+def tp_cp_task(rank: int, world_size: int, tp: int, case: dict) -> dict:
+    """Per-token loss (Megatron's vocab-parallel cross entropy) at TP = tp, CP = world/tp.
+
+    No state is loaded: with ``use_cpu_initialization`` Megatron draws every weight whole
+    and splits it, so one seed gives the same model at every TP size.
+    """
+    import torch.distributed as dist
+    from hla_sp.megatron_patch.compat import cp_split
+    from megatron.core import parallel_state
+
+    _setup(world_size, tp)
+    try:
+        model = _build(case, world_size, tp)
+        batch, params = _batch(case)
+        n_tokens = batch["loss_mask"].sum()
+        batch = cp_split(batch, parallel_state.get_context_parallel_group())
+        per_token = model(batch["tokens"], batch["position_ids"], None,
+                          labels=batch["labels"], packed_seq_params=params)
+        loss = (per_token.float() * batch["loss_mask"]).sum() / n_tokens
+        loss.backward()
+        total = loss.detach().clone()
+        if world_size // tp > 1:
+            dist.all_reduce(total, group=parallel_state.get_context_parallel_group())
+        return {"loss": total.item(), "per_token": per_token.detach(), "index": batch["index"],
+                "tp_rank": parallel_state.get_tensor_model_parallel_rank()}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.timeout(600)
+def test_tp2_cp2_matches_tp1_cp1(world):
+    """4 gloo ranks, TP = 2 x CP = 2: the heads split over TP (GQA: one KV group per
+    rank), the sequence over CP; loss and every token's loss equal TP = 1 x CP = 1."""
+    case = CASES["gqa-hla2-learned"]
+    ref = world(1).run(tp_cp_task, 1, case)[0]
+    outs = world(4).run(tp_cp_task, 2, case)
+    per_token = torch.full_like(ref["per_token"], float("nan"))
+    for o in outs:
+        assert abs(o["loss"] - ref["loss"]) <= 1e-5 * max(1.0, abs(ref["loss"])), (o, ref)
+        for b in range(per_token.shape[0]):
+            if o["tp_rank"] == 1:  # TP ranks hold the same tokens: check they agree
+                torch.testing.assert_close(per_token[b, o["index"][b]], o["per_token"][b],
+                                           rtol=1e-5, atol=1e-5)
+            per_token[b, o["index"][b]] = o["per_token"][b]
+    _close(per_token, ref["per_token"], "per-token loss")
