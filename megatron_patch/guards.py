@@ -27,6 +27,7 @@ flag                               why it is refused with HLA
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -96,3 +97,19 @@ def refuse_bypasses(args: Any, route: str) -> None:
         raise BypassError(
             f"--softmax-type {softmax_type} with {route}: HLA has no softmax to change, so it "
             "would be ignored in every HLA layer. Use the default (vanilla).")
+
+
+def refuse_bypasses_at_spec_import(module: str) -> None:
+    """Run :func:`refuse_bypasses` when Megatron-LM's own script imports ``--spec module``.
+
+    Megatron parses its flags before its model_provider imports the ``--spec`` module, so
+    the parsed flags are there to read; its importer catches only ImportError, so the
+    BypassError (a ValueError) stops the run. Elsewhere (no parsed Megatron flags, or a
+    ``--spec`` naming another module) this does nothing.
+    """
+    gv = sys.modules.get("megatron.training.global_vars")
+    args = getattr(gv, "_GLOBAL_ARGS", None) if gv is not None else None
+    spec = getattr(args, "spec", None)
+    if args is None or not spec or spec[0] != module:
+        return
+    refuse_bypasses(args, "--spec " + " ".join(map(str, spec)))

@@ -176,7 +176,12 @@ def get_hla_layer_spec(operator: str = _DEFAULTS.operator, *, use_te: bool | Non
     return fn(operator, **kwargs)
 
 
-# Module-level specs for `--spec hla_sp.megatron_patch.specs hla2_layer_spec`.
+# Module-level specs for `--spec hla_sp.megatron_patch.specs hla2_layer_spec`. Megatron's
+# own script imports this module after parsing its flags: refuse the ones HLA would not
+# honour (--mtp-num-layers, ...) there and then, since nothing of ours runs later.
+from hla_sp.megatron_patch.guards import refuse_bypasses_at_spec_import  # noqa: E402
+
+refuse_bypasses_at_spec_import(__name__)
 hla2_layer_spec = get_hla_layer_spec("hla2")
 ahla_layer_spec = get_hla_layer_spec("ahla")
 hla3_layer_spec = get_hla_layer_spec("hla3")

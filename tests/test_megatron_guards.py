@@ -267,3 +267,24 @@ def test_trainer_hybrid_pattern():
     with pytest.raises(SystemExit):
         parse_args([*base, "os.system"])
 
+
+
+def test_megatrons_own_script_spec_route_refuses_mtp(monkeypatch):
+    """Megatron-LM's pretrain_gpt.py parses its flags, then its model_provider imports
+    ``--spec``: the spec module refuses there (Megatron's importer catches ImportError
+    only, so the refusal is not swallowed into a softmax fallback)."""
+    import sys
+    import types
+
+    from megatron.core.transformer.spec_utils import import_module
+
+    gv = types.ModuleType("megatron.training.global_vars")
+    gv._GLOBAL_ARGS = argparse.Namespace(  # type: ignore[attr-defined]
+        spec=["hla_sp.megatron_patch.specs", "hla2_layer_spec"], mtp_num_layers=1)
+    monkeypatch.setitem(sys.modules, "megatron.training.global_vars", gv)
+    monkeypatch.delitem(sys.modules, "hla_sp.megatron_patch.specs", raising=False)
+    with pytest.raises(BypassError, match="--mtp-num-layers 1 with --spec hla_sp"):
+        import_module(("hla_sp.megatron_patch.specs", "hla2_layer_spec"))
+    gv._GLOBAL_ARGS.mtp_num_layers = None  # type: ignore[attr-defined]
+    monkeypatch.delitem(sys.modules, "hla_sp.megatron_patch.specs", raising=False)
+    assert import_module(("hla_sp.megatron_patch.specs", "hla2_layer_spec")) is not None
