@@ -59,6 +59,9 @@ def _inputs(c: dict, dtype: torch.dtype) -> dict:
               "eta": (N, H, K)}
     fields = _state_fields(c["op"], c["normalize"])
     x["h0"] = [r(*shapes[f]) * 0.5 for f in fields] if c["h0"] else None
+    if x["h0"] is not None and "S" in fields:  # a key moment is symmetric (S = sum k k^T)
+        i = fields.index("S")
+        x["h0"][i] = (x["h0"][i] + x["h0"][i].mT) / 2
     x["wf"] = [r(*shapes[f]) for f in fields]
     return {k: (None if v is None else [t.to(dtype) for t in v] if isinstance(v, list)
                 else v.to(dtype)) for k, v in x.items()}

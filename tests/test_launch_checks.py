@@ -296,10 +296,11 @@ def test_peer_crash_puts_the_real_cause_first(
 
 
 def test_survivor_names_the_peers_own_error(
-    store: FakeStore, capsys: pytest.CaptureFixture[str]
+    store: FakeStore, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On a full disk rank 1 publishes ENOSPC and the path; rank 0 names that, not a
     dead peer."""
+    monkeypatch.setattr(faults, "_progress", (2, faults.time.monotonic()))
     _beat(store, 0, 1)
     _beat(store, 1, 7)
     enospc = OSError(errno.ENOSPC, "disk full (ENOSPC) while writing", "/ckpt/iter_0000004.tmp/x")

@@ -199,7 +199,10 @@ def test_gradcheck_fp64(op):
     xs = [x.clone().requires_grad_(True) for x in (q, k, v, g, *init)]
 
     def fn(q, k, v, g, *init):
-        o, st = op.fast(q, k, v, g, list(init), True, 4)
+        # gradcheck perturbs one entry at a time; a key moment S0 must stay symmetric
+        # (the operators refuse another), so it enters through its symmetric part.
+        init = [(x + x.mT) / 2 if x.shape[-2:] == (3, 3) else x for x in init]
+        o, st = op.fast(q, k, v, g, init, True, 4)
         return (o, *st)
 
     assert torch.autograd.gradcheck(fn, xs, eps=1e-6, atol=1e-8)
