@@ -27,8 +27,8 @@ HLA_OPERATORS: tuple[str, ...] = ("hla2", "ahla", "hla3")
 
 # The layer's keyword arguments (HLAHeads / HLAttention), in their order.
 _HEADS_FIELDS = (
-    "operator", "decay", "qk_norm", "output_norm", "normalize", "eps", "ridge", "scale",
-    "chunk_size",
+    "operator", "decay", "qk_norm", "output_norm", "first_order", "normalize", "eps", "ridge",
+    "scale", "chunk_size",
 )
 
 
@@ -51,6 +51,12 @@ class HLAConfig:
     """L2-normalise q and k per head."""
     output_norm: bool = True
     """Per-head RMSNorm of the operator's output."""
+    first_order: bool = field(default=True, metadata=_flag(
+        "HLA operators keep a first-order path: the outer stage reads k + a*k~ and v + b*u "
+        "with learned per-head a, b (zero at the start). Without it they do not learn recall."))
+    """hla2/ahla/hla3: keep a first-order path in the outer stage, k + a k~ (hla2, hla3)
+    and v + b u (ahla, hla3), a and b learned per head and zero at the start. It is
+    what makes the higher-order operators learn from context (docs/quality.md)."""
     normalize: bool = field(default=False, metadata=_flag(
         "hla2 only: divide by the paper's normaliser (can be near zero)."))
     """hla2 only: divide by the paper's normaliser q^T eta (eps added)."""
@@ -72,7 +78,7 @@ class HLAConfig:
                               ("sp_method", SP_METHODS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}: expected one of {choices}, got {getattr(self, name)!r}")
-        for name in ("qk_norm", "output_norm", "normalize"):
+        for name in ("qk_norm", "output_norm", "first_order", "normalize"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         for name in ("eps", "ridge"):
@@ -81,6 +87,13 @@ class HLAConfig:
                 math.isfinite(x) and x >= 0
             ):
                 raise ValueError(f"{name}: expected a finite number >= 0, got {x!r}")
+        # normalize and ridge are options of hla2's data-dependent key alone.
+        if self.normalize and self.operator != "hla2":
+            raise ValueError(f"normalize: only operator 'hla2' has it, got operator "
+                             f"{self.operator!r}")
+        if self.ridge and self.operator != "hla2":
+            raise ValueError(f"ridge: only operator 'hla2' has it, got operator "
+                             f"{self.operator!r}")
         s = self.scale
         if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float))
                               or not (math.isfinite(s) and s > 0)):

@@ -35,22 +35,29 @@ def _options(op):
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["batch", "varlen"])
-@pytest.mark.parametrize("op", OPERATORS)
-def test_gqa_shared_state_equals_per_head(op, packed):
+@pytest.mark.parametrize(("op", "mixed"), [(op, False) for op in OPERATORS]
+                         + [(op, True) for op in ("hla2", "ahla", "hla3")],
+                         ids=lambda x: {True: "first-order", False: "pure"}.get(x, x))
+def test_gqa_shared_state_equals_per_head(op, packed, mixed):
     """S (and C, h) computed once per group equals the per-head computation on
     repeated k, v: outputs, every input gradient, and the final state."""
     q, k, v, a = _inputs(B=1 if packed else 2)
     cu = torch.tensor([0, 11, 12, 37]) if packed else None
     G = q.shape[2] // k.shape[2]
+    if mixed:
+        w = torch.linspace(-1.0, 2.0, q.shape[2], dtype=F64)
+        mix = {"key_mix": w if op != "ahla" else None, "value_mix": -w if op != "hla2" else None}
+    else:
+        mix = {}
     leaves = [t.clone().requires_grad_() for t in (q, k, v, a)]
     o, st = grouped_operator(op, *leaves[:3], log_decay=leaves[3], output_final_state=True,
-                             cu_seqlens=cu, chunk_size=8, **_options(op))
+                             cu_seqlens=cu, chunk_size=8, **_options(op), **mix)
     ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, a)]
     rq, rk, rv, ra = ref_leaves
     o_ref, st_ref = grouped_operator(
         op, rq, rk.repeat_interleave(G, 2), rv.repeat_interleave(G, 2),
         log_decay=ra.repeat_interleave(G, -1), output_final_state=True, cu_seqlens=cu,
-        chunk_size=8, **_options(op))
+        chunk_size=8, **_options(op), **mix)
     torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
     w = torch.randn_like(o)
     (o * w).sum().backward()
@@ -65,6 +72,56 @@ def test_gqa_shared_state_equals_per_head(op, packed):
             assert s.shape[1] == k.shape[2], field
             r = r[:, ::G]
         torch.testing.assert_close(s, r, rtol=1e-10, atol=1e-10, msg=field)
+
+
+@pytest.mark.parametrize("op", ["hla2", "ahla", "hla3"])
+def test_first_order_path_is_the_sum_of_the_operators(op):
+    """With weights a (key) and b (value) the layer's operator is exactly
+    LA + a hla2 (hla2), LA + b ahla (ahla), LA + a hla2 + b ahla + ab hla3 (hla3),
+    each term from the public operators: outputs and the final H."""
+    from hla_sp import ahla, hla3, linear_attention
+
+    q, k, v, a = _inputs(Hq=3, Hkv=3)
+    g = torch.Generator().manual_seed(3)
+    wk, wv = torch.randn(3, generator=g, dtype=F64), torch.randn(3, generator=g, dtype=F64)
+    key_mix = wk if op in ("hla2", "hla3") else None
+    value_mix = wv if op in ("ahla", "hla3") else None
+    o, st = grouped_operator(op, q, k, v, log_decay=a, key_mix=key_mix, value_mix=value_mix,
+                             output_final_state=True, chunk_size=8)
+    kw = dict(log_decay=a, output_final_state=True)
+    lin, h_lin = linear_attention(q, k, v, **kw)
+    o2, s2 = hla2(q, k, v, **kw)
+    oa, sa = ahla(q, k, v, **kw)
+    o3, s3 = hla3(q, k, v, **kw)
+    A, Bv = wk[:, None], wv[:, None]  # per head, broadcast over [B, T, H, V]
+    H_lin = h_lin
+    if op == "hla2":
+        ref, H_ref = lin + A * o2, H_lin + A[..., None] * s2.H
+    elif op == "ahla":
+        ref, H_ref = lin + Bv * oa, H_lin + Bv[..., None] * sa.H
+    else:
+        ref = lin + A * o2 + Bv * oa + A * Bv * o3
+        H_ref = H_lin + A[..., None] * s2.H + Bv[..., None] * sa.H + (A * Bv)[..., None] * s3.H
+    torch.testing.assert_close(o, ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(st.H, H_ref, rtol=1e-10, atol=1e-10)
+
+
+def test_first_order_path_starts_first_order():
+    """At initialisation the HLA layers compute exactly the linear layer (weights zero),
+    and the weights get gradients, so the higher-order terms can grow."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 21, 24, dtype=F64)
+    lin = HLAttention(24, 4, 6, 2, operator="linear", chunk_size=8).double()
+    for op in ("hla2", "ahla", "hla3"):
+        m = HLAttention(24, 4, 6, 2, operator=op, chunk_size=8).double()
+        m.load_state_dict(lin.state_dict(), strict=False)
+        y, _ = m(x)
+        torch.testing.assert_close(y, lin(x)[0], rtol=1e-12, atol=1e-12)
+        y.pow(2).sum().backward()
+        for p in (m.heads.key_mix, m.heads.value_mix):
+            if p is not None:
+                assert p.grad is not None and p.grad.abs().max() > 0, op
+    assert HLAttention(24, 4, operator="hla2", first_order=False).heads.key_mix is None
 
 
 def test_gqa_state_is_per_group():
@@ -87,9 +144,17 @@ def test_mha_path_is_the_public_operator():
 def _layer(op, decay, Hq=4, Hkv=2, seed=0, **kw):
     torch.manual_seed(seed)
     m = HLAttention(24, Hq, 6, Hkv, operator=op, decay=decay, chunk_size=8, **kw).double()
-    if m.heads.decay_weight is not None:  # zero at init; make the gate really per token
-        torch.nn.init.normal_(m.heads.decay_weight, std=1.0)
+    randomize_zero_inits(m.heads)
     return m
+
+
+def randomize_zero_inits(heads: HLAHeads) -> None:
+    """The data gate and the first-order weights start at zero, which would hide their
+    paths from a test: give them values."""
+    with torch.no_grad():
+        for p in (heads.decay_weight, heads.key_mix, heads.value_mix):
+            if p is not None:
+                torch.nn.init.normal_(p, std=1.0)
 
 
 @pytest.mark.parametrize("decay", DECAYS)
@@ -166,7 +231,9 @@ def test_output_norm_and_qk_norm():
     k = m.k_proj(x).view(1, 16, 2, 6)
     v = m.v_proj(x).view(1, 16, 2, 6)
     o, _ = h(q, k, v)
-    raw_heads = HLAHeads(4, 2, 6, operator="hla2", decay="none", output_norm=False)
+    raw_heads = HLAHeads(4, 2, 6, operator="hla2", decay="none", output_norm=False).double()
+    with torch.no_grad():
+        raw_heads.key_mix.copy_(h.key_mix)  # the same operator, without the norm
     raw, _ = raw_heads(q, k, v)
     with torch.no_grad():
         h.norm_weight.uniform_(0.5, 2.0)

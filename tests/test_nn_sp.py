@@ -19,8 +19,10 @@ def _layer(op: str, decay: str):
     torch.manual_seed(11)
     m = HLAttention(24, 4, 6, 2, operator=op, decay=decay, chunk_size=8,
                     normalize=op == "hla2").double()
-    if m.heads.decay_weight is not None:
-        torch.nn.init.normal_(m.heads.decay_weight, std=1.0)
+    with torch.no_grad():  # zero at init: give the data gate and the first-order path values
+        for p in (m.heads.decay_weight, m.heads.key_mix, m.heads.value_mix):
+            if p is not None:
+                torch.nn.init.normal_(p, std=1.0)
     return m
 
 
@@ -61,15 +63,19 @@ CASES = [
     ("hla3", "learned", "contiguous", [7, 0, 33], False),
     ("ahla", "fixed", "zigzag", None, True),
     ("linear", "none", "contiguous", [13, 20, 7], True),
+    ("hla2", "learned", "contiguous", [T], True),
+    ("hla3", "data", "contiguous", [11, 0, 17, 12], True),
+    ("ahla", "learned", "zigzag", None, False),
 ]
 
 
 @pytest.mark.parametrize(("op", "decay", "layout", "lengths", "packed"), CASES,
-                         ids=[f"{c[0]}-{c[2]}{'-varlen' if c[4] else ''}" for c in CASES])
+                         ids=[f"{c[0]}-{c[2]}-P{len(c[3]) if c[3] else 2}"
+                              f"{'-varlen' if c[4] else ''}" for c in CASES])
 def test_layer_under_sp_equals_one_process(world, op, decay, layout, lengths, packed):
     from hla_sp.parallel import shard
 
-    P = 3 if lengths is not None else 2
+    P = len(lengths) if lengths is not None else 2
     outs = world(P).run(sp_task, op, decay, layout, lengths, packed)
     y_ref, st_ref, g_ref = outs[0]["ref"]
     kw = {} if lengths is None else {"lengths": lengths}

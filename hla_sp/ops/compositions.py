@@ -97,6 +97,8 @@ def compose(
     normalize: bool = False,
     ridge: float = 0.0,
     eps: float = DEFAULT_EPS,
+    key_mix: torch.Tensor | None = None,
+    value_mix: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """The stages of ``operator`` ("hla2" | "ahla" | "hla3"), written once.
 
@@ -105,9 +107,16 @@ def compose(
     With grouped keys (GQA) ``expand`` maps a kv-head tensor to the query heads;
     without, all three are the plain primitive and the identity.
 
+    The first-order path (the layer's ``first_order``): with ``key_mix`` a, the outer
+    stage's key is k + a k~ instead of k~ (hla2, hla3); with ``value_mix`` b, its value
+    is v + b u instead of u (ahla, hla3). The outer stage is linear in its key and
+    value, so hla2 becomes LA(q, k, v) + a hla2 and ahla LA(q, k, v) + b ahla at no
+    extra stage; hla3 gains all four terms (first order, a hla2, b ahla, ab hla3).
+
     Args:
         qs: scaled queries [B, T, Hq, K]; k: [B, T, Hkv, K]; v: [B, T, Hkv, V] (compute
             dtype). state0: the initial state's fields in the order of the state tuple.
+        key_mix, value_mix: per query head weights [Hq] (compute dtype), or None.
 
     Returns:
         (o [B, T, Hq, V] in the compute dtype, the final state's fields).
@@ -117,6 +126,7 @@ def compose(
         k_tilde, S = shared(qs, k, k, S0)  # k~_t = S_t q_t
         if ridge:
             k_tilde = k_tilde + ridge * qs
+        k_tilde = _mix(k_tilde, key_mix, lambda: expand(k))
         vq = expand(v)
         V = vq.shape[-1]
         if normalize:
@@ -129,15 +139,26 @@ def compose(
     if operator == "ahla":
         C0, H0 = state0
         u, C = shared(qs, k, v, C0)  # u_t = C_t^T q_t
-        o, Hf = per_head(qs, expand(k), u, H0)
+        o, Hf = per_head(qs, expand(k), _mix(u, value_mix, lambda: expand(v)), H0)
         return o, [C, Hf]
     if operator == "hla3":
         S0, C0, H0 = state0
         k_tilde, S = shared(qs, k, k, S0)
         u, C = shared(qs, k, v, C0)
-        o, Hf = per_head(qs, k_tilde, u, H0)
+        k_tilde = _mix(k_tilde, key_mix, lambda: expand(k))
+        o, Hf = per_head(qs, k_tilde, _mix(u, value_mix, lambda: expand(v)), H0)
         return o, [S, C, Hf]
     raise ValueError(f"operator: expected one of hla2, ahla, hla3, got {operator!r}")
+
+
+def _mix(
+    higher: torch.Tensor, weight: torch.Tensor | None, first: Callable[[], torch.Tensor]
+) -> torch.Tensor:
+    """first() + weight * higher per query head ([B, T, Hq, D], weight [Hq]); higher alone
+    without a weight (``first`` is only built when used: under GQA it is an expansion)."""
+    if weight is None:
+        return higher
+    return torch.addcmul(first(), weight[:, None].to(higher.dtype), higher)
 
 
 STATE_TYPES: dict[str, type] = {"hla2": HLA2State, "ahla": AHLAState, "hla3": HLA3State}

@@ -1,0 +1,243 @@
+"""The operators with grouped keys and values (GQA/MQA), exact through the primitive.
+
+With ``num_kv_heads < num_heads`` the query heads ``g * G .. g * G + G - 1`` share kv
+head ``g`` (G = num_heads // num_kv_heads, Megatron's order). Every first-order stage
+whose key and value are both kv-head tensors (S = sum k k^T of hla2/hla3, C = sum k v^T
+of ahla/hla3, the state of ``linear``) then has ONE state per group: the stage runs on
+the kv heads, and each query head reads it (k~ = S q). Through the primitive this is
+exact: each token t becomes G sub-tokens, the first carrying k_t (and the decay), the
+others k = 0 and no decay, so the state does not move while the G query heads of the
+group read it in turn. The stages whose key or value depends on the query (H of hla2,
+ahla, hla3) run per query head.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from hla_sp.config import OPERATORS
+from hla_sp.ops import validate
+from hla_sp.ops.chunk import compute_dtype
+from hla_sp.ops.compositions import (
+    DEFAULT_EPS,
+    STATE_TYPES,
+    ahla,
+    compose,
+    hla2,
+    hla3,
+    state_fields,
+)
+from hla_sp.ops.linear_attention import DEFAULT_CHUNK_SIZE, linear_attention, primitive
+from hla_sp.ops.sharding import SequenceParallelism
+
+
+class LinearState(NamedTuple):
+    """State of ``linear``: h [N, Hkv, K, V] (shared by a GQA group)."""
+
+    h: torch.Tensor
+
+
+ALL_STATE_TYPES: dict[str, type] = {**STATE_TYPES, "linear": LinearState}
+
+
+def state_shapes(
+    operator: str, n: int, hq: int, hkv: int, k: int, v: int, normalize: bool
+) -> dict[str, tuple[int, ...] | None]:
+    """Field -> shape of ``operator``'s state for n sequences (None: absent)."""
+    if operator == "linear":
+        return {"h": (n, hkv, k, v)}
+    return state_fields(operator, n, hq, hkv, k, v, normalize)
+
+
+def _interleave(x: torch.Tensor, groups: int, *, repeat: bool) -> torch.Tensor:
+    """[B, T, Hkv, *D] -> [B, T * G, Hkv, *D]: sub-token (t, j) at t * G + j.
+
+    ``repeat``: every sub-token gets x_t; otherwise sub-token 0 gets x_t and the others
+    zero (keys, values, decay).
+    """
+    B, T = x.shape[:2]
+    x = x.unsqueeze(2)
+    if repeat:
+        x = x.expand(B, T, groups, *x.shape[3:])
+    else:
+        x = torch.cat([x, x.new_zeros(B, T, groups - 1, *x.shape[3:])], dim=2)
+    return x.reshape(B, T * groups, *x.shape[3:])
+
+
+class _Stages:
+    """The stages of one grouped call: shared (per kv group) and per query head.
+
+    Under ``sp`` every stage of the call passes the plan of its shape: the per-head
+    stages that of the kv-head view checked by the caller, the shared stages (when
+    G > 1) that of the interleaved shard, checked once at its first use so that all
+    shared stages share one ordering chain.
+    """
+
+    def __init__(self, G: int, g: torch.Tensor | None, *, cu_seqlens: torch.Tensor | None,
+                 want_final: bool, chunk_size: int, sp: SequenceParallelism | None,
+                 plan: Any):
+        self.G, self.g, self.cu, self.want_final = G, g, cu_seqlens, want_final
+        self.chunk_size, self.sp, self.plan = chunk_size, sp, plan
+        self.gq = None if g is None else g.repeat_interleave(G, dim=-1)  # per query head
+        self.shared_plan = plan if G == 1 else None
+
+    def _primitive(self, q, k, v, g, h0, cu, plan):
+        return primitive(q, k, v, g, cu_seqlens=cu, h0=h0, want_final=self.want_final,
+                         chunk_size=self.chunk_size, sp=self.sp, plan=plan)
+
+    def per_head(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 h0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q, k [B, T, Hq, K], v [B, T, Hq, V]: the primitive per query head."""
+        return self._primitive(q, k, v, self.gq, h0, self.cu, self.plan)
+
+    def shared(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               h0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q [B, T, Hq, K], k [B, T, Hkv, K], v [B, T, Hkv, V], h0 [N, Hkv, K, V] ->
+        (o [B, T, Hq, V] with o[:, t, h] = q[:, t, h]^T h_t[h // G], final [N, Hkv, K, V])."""
+        G = self.G
+        if G == 1:
+            return self._primitive(q, k, v, self.g, h0, self.cu, self.plan)
+        B, T, Hq, K = q.shape
+        Hkv = k.shape[2]
+        # [B, T, Hkv, G, K] -> [B, T, G, Hkv, K] -> [B, T*G, Hkv, K]: sub-token j reads head j.
+        qi = q.view(B, T, Hkv, G, K).transpose(2, 3).reshape(B, T * G, Hkv, K)
+        ki = _interleave(k, G, repeat=False)
+        vi = _interleave(v, G, repeat=False)
+        gi = None if self.g is None else _interleave(self.g, G, repeat=False)
+        cu = None if self.cu is None else self.cu * G
+        if self.sp is not None and self.shared_plan is None:
+            # The interleaved shard is a call of its own (local T * G, offsets * G).
+            xi = validate.check_inputs(qi, ki, vi, log_decay=gi, scale=1.0, cu_seqlens=cu,
+                                       sp=self.sp, chunk_size=self.chunk_size)
+            self.shared_plan = self.sp.check_call(xi, op=f"gqa-shared-stage/{G}", options=())
+        o, final = self._primitive(qi, ki, vi, gi, h0, cu, self.shared_plan)
+        V = v.shape[-1]
+        return o.view(B, T, G, Hkv, V).transpose(2, 3).reshape(B, T, Hq, V), final
+
+
+def _check_grouped(q: object, k: object, v: object) -> tuple[int, int]:
+    """q [B, T, Hq, K], k [B, T, Hkv, K], v [B, T, Hkv, V]; returns (Hq, Hkv)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        validate.check_tensor(name, x, 4, "[B, T, H, D]")
+    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+    assert isinstance(v, torch.Tensor)
+    B, T, Hq, K = q.shape
+    Hkv = k.shape[2]
+    if k.shape[:2] != q.shape[:2] or k.shape[3] != K:
+        raise ValueError(f"k: expected shape [B, T, Hkv, K] = [{B}, {T}, Hkv, {K}], "
+                         f"got {tuple(k.shape)}")
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v: expected leading dims {tuple(k.shape[:3])} (those of k), "
+                         f"got {tuple(v.shape[:3])}")
+    if Hkv < 1 or Hq % Hkv:
+        raise ValueError(f"k: expected a number of kv heads dividing Hq = {Hq}, got {Hkv}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype or t.device != q.device:
+            raise TypeError(f"{name}: expected dtype {q.dtype} on {q.device} (those of q), "
+                            f"got {t.dtype} on {t.device}")
+    return Hq, Hkv
+
+
+def _public(operator: str, q, k, v, kw: dict) -> tuple[torch.Tensor, tuple | None]:
+    """The public operator itself (no groups, no first-order path)."""
+    if operator == "linear":
+        if kw["initial_state"] is not None:
+            kw["initial_state"] = _unpack_linear(kw["initial_state"])
+        for name in ("normalize", "eps", "ridge"):
+            kw.pop(name)
+        o, h = linear_attention(q, k, v, **kw)
+        return o, (LinearState(h) if h is not None else None)
+    if operator != "hla2":
+        for name in ("normalize", "eps", "ridge"):
+            kw.pop(name)
+    return {"hla2": hla2, "ahla": ahla, "hla3": hla3}[operator](q, k, v, **kw)
+
+
+def _unpack_linear(state: object) -> object:
+    """The ``linear`` state may be given as LinearState(h), a 1-tuple or a bare tensor."""
+    if isinstance(state, (tuple, list)):
+        if len(state) != 1:
+            raise ValueError(f"initial_state: expected (h,) for operator 'linear', "
+                             f"got a tuple of {len(state)}")
+        return state[0]
+    return state
+
+
+def grouped_operator(
+    operator: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    log_decay: torch.Tensor | None = None,
+    normalize: bool = False,
+    eps: float = DEFAULT_EPS,
+    ridge: float = 0.0,
+    scale: float | None = None,
+    initial_state: tuple | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    sp: SequenceParallelism | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    key_mix: torch.Tensor | None = None,
+    value_mix: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, tuple | None]:
+    """An HLA operator with grouped keys and values (GQA/MQA), exact.
+
+    Args:
+        operator: "hla2" | "ahla" | "hla3" | "linear".
+        q: [B, T, Hq, K]. k: [B, T, Hkv, K]. v: [B, T, Hkv, V], Hq a multiple of Hkv.
+        log_decay: broadcasts to [B, T, Hkv] (values <= 0); one decay per group.
+        initial_state: the operator's state with the shared fields (S, C, h) over Hkv
+            heads and the per-query-head fields (H, eta) over Hq heads.
+        key_mix, value_mix: [Hq] weights of the first-order path (see
+            :func:`hla_sp.ops.compositions.compose`), or None for the pure operator.
+        Other keywords as in :func:`hla_sp.hla2`.
+
+    Returns:
+        (o [B, T, Hq, V], state or None). With Hq == Hkv and no first-order path this is
+        exactly the public operator (it is called).
+    """
+    operator = validate.check_choice("operator", operator, OPERATORS)
+    Hq, Hkv = _check_grouped(q, k, v)
+    mixed = key_mix is not None or value_mix is not None
+    if mixed and operator == "linear":
+        raise ValueError("key_mix: the first-order path needs an HLA operator, got 'linear'")
+    if Hq == Hkv and not mixed:
+        return _public(operator, q, k, v, dict(
+            log_decay=log_decay, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens, sp=sp,
+            chunk_size=chunk_size, normalize=normalize, eps=eps, ridge=ridge))
+    G = Hq // Hkv
+    # Validate as the public operators do, on the kv-head view (decay is per group).
+    x = validate.check_inputs(
+        q[:, :, ::G], k, v, log_decay=log_decay, scale=scale, cu_seqlens=cu_seqlens,
+        sp=sp, chunk_size=chunk_size, output_final_state=output_final_state,
+    )
+    normalize = validate.check_bool("normalize", normalize)
+    ridge = validate.check_nonneg("ridge", ridge)
+    eps = validate.check_nonneg("eps", eps)
+    fields = state_shapes(operator, x.n_seq, Hq, Hkv, x.K, x.V, normalize)
+    s0 = validate.check_state_tuple(initial_state, fields, q)
+    plan = None
+    if sp is not None:
+        plan = sp.check_call(x, op=f"{operator}/gqa{G}", options=(
+            normalize, ridge, eps, key_mix is not None, value_mix is not None,
+            output_final_state))
+    stages = _Stages(G, x.g, cu_seqlens=x.cu_seqlens, want_final=output_final_state,
+                     chunk_size=x.chunk_size, sp=sp, plan=plan)
+    cdt = compute_dtype(q.dtype)
+    qs, kk, vv = (q * x.scale).to(cdt), k.to(cdt), v.to(cdt)
+    if operator == "linear":
+        o, h = stages.shared(qs, kk, vv, s0[0])
+        final: list = [h]
+    else:
+        o, final = compose(
+            operator, qs, kk, vv, s0, shared=stages.shared, per_head=stages.per_head,
+            expand=lambda t: t.repeat_interleave(G, dim=2), normalize=normalize, ridge=ridge,
+            eps=eps, key_mix=key_mix, value_mix=value_mix,
+        )
+    state = ALL_STATE_TYPES[operator](*final) if output_final_state else None
+    return o.to(q.dtype), state

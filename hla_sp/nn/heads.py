@@ -1,0 +1,251 @@
+"""The per-head part of HLA attention, shared by the plain layer and Megatron.
+
+:class:`HLAHeads` takes per-head q, k, v and returns the per-head output: the L2
+qk-norm, the decay (none, fixed, learned or data-dependent), the operator (with the key
+moment S shared by the heads of a GQA group), the first-order path and the per-head
+output RMSNorm. ``hla_sp.megatron_patch.HLACoreAttention`` wraps it, so nothing is
+written twice. Its options and their defaults are those of :class:`hla_sp.config.HLAConfig`.
+
+The first-order path (``first_order``, on by default) is what makes the higher-order
+operators learn (docs/quality.md): the outer stage reads k + a k~ (hla2, hla3) and
+v + b u (ahla, hla3), with a, b learned per query head and zero at the start, so the
+layer starts as first-order linear attention and grows its higher-order terms as far
+as they help. Without it, hla2/ahla/hla3 stay at chance on associative recall.
+
+Decay lives per kv head, so that a group's shared state is well defined; with
+``num_kv_heads == num_heads`` that is per head.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hla_sp.config import DECAYS, OPERATORS, HLAConfig
+from hla_sp.nn.grouped import ALL_STATE_TYPES, grouped_operator, state_shapes
+from hla_sp.ops import validate
+from hla_sp.ops.chunk import compute_dtype
+from hla_sp.ops.sharding import SequenceParallelism
+
+DEFAULTS = HLAConfig()
+# RetNet's schedule: gamma_h = 1 - 2^-(5 + ...) spread over [2^-5, 2^-12], i.e. memory
+# windows of about 32 to 4096 tokens.
+RETNET_LOG2_RANGE = (5.0, 12.0)
+# GLA divides its log-sigmoid gate by 16 so that per-token decays start close to 1.
+DATA_DECAY_TEMPERATURE = 16.0
+# Which operators mix the first-order key (k + a k~) and value (v + b u).
+KEY_MIX_OPS = ("hla2", "hla3")
+VALUE_MIX_OPS = ("ahla", "hla3")
+
+
+def retnet_log_decay(num_heads: int, device: torch.device | None = None) -> torch.Tensor:
+    """Per-head log-decay log(1 - 2^-e_h), e_h evenly spaced over RETNET_LOG2_RANGE. [H] fp32."""
+    lo, hi = RETNET_LOG2_RANGE
+    if num_heads == 1:
+        e = torch.tensor([lo], dtype=torch.float64)
+    else:
+        e = torch.linspace(lo, hi, num_heads, dtype=torch.float64)
+    # log1p keeps the tiny rates exact (log(1 - 2^-12) in fp32 would round).
+    return torch.log1p(-torch.exp2(-e)).to(torch.float32).to(device)
+
+
+class HLAHeads(nn.Module):
+    """Everything between per-head q, k, v and the per-head output.
+
+    Args:
+        num_heads: query heads Hq (on this tensor-parallel rank).
+        num_kv_heads: key/value heads Hkv, dividing Hq (None: Hq).
+        head_dim: K = V, the per-head width.
+        operator: "hla2" | "ahla" | "hla3" | "linear".
+        decay: "none" | "fixed" (RetNet schedule per kv head) | "learned" (a per-kv-head
+            parameter, initialised at the RetNet schedule) | "data" (per token:
+            logsigmoid(w_h . k_t + b_h) / 16 from the kv head's key, GLA-like).
+        qk_norm: L2-normalise q and k per head (before the scale).
+        output_norm: RMSNorm over each head's output, with a learned gain per channel.
+        first_order: the first-order path with learned per-head weights (module docs).
+        normalize, eps, ridge: hla2's options (docs of :func:`hla_sp.hla2`).
+        scale: query scale; None means K ** -0.5.
+        chunk_size: chunk length of the chunk-parallel path.
+        head_offset: global index of the first kv head (tensor parallelism), so the
+            fixed schedule does not restart on every rank.
+        total_kv_heads: kv heads over all ranks (the schedule's length); default Hkv.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int | None,
+        head_dim: int,
+        *,
+        operator: str = DEFAULTS.operator,
+        decay: str = DEFAULTS.decay,
+        qk_norm: bool = DEFAULTS.qk_norm,
+        output_norm: bool = DEFAULTS.output_norm,
+        first_order: bool = DEFAULTS.first_order,
+        normalize: bool = DEFAULTS.normalize,
+        eps: float = DEFAULTS.eps,
+        ridge: float = DEFAULTS.ridge,
+        scale: float | None = DEFAULTS.scale,
+        chunk_size: int = DEFAULTS.chunk_size,
+        norm_eps: float = 1e-5,
+        head_offset: int = 0,
+        total_kv_heads: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        self.num_heads = validate.check_pos_int("num_heads", num_heads)
+        kv = num_heads if num_kv_heads is None else num_kv_heads
+        self.num_kv_heads = validate.check_pos_int("num_kv_heads", kv)
+        if num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads: expected a divisor of num_heads = {num_heads}, "
+                             f"got {self.num_kv_heads}")
+        self.head_dim = validate.check_pos_int("head_dim", head_dim)
+        # One set of choices and checks: the config's.
+        self.config = HLAConfig(
+            operator=validate.check_choice("operator", operator, OPERATORS),  # type: ignore[arg-type]
+            decay=validate.check_choice("decay", decay, DECAYS),  # type: ignore[arg-type]
+            qk_norm=qk_norm, output_norm=output_norm, first_order=first_order,
+            normalize=normalize, eps=eps, ridge=ridge, scale=scale, chunk_size=chunk_size,
+        )
+        c = self.config
+        self.operator, self.decay, self.qk_norm = c.operator, c.decay, c.qk_norm
+        self.output_norm, self.first_order = c.output_norm, c.first_order
+        self.normalize = c.normalize
+        self.eps, self.ridge, self.chunk_size = float(c.eps), float(c.ridge), c.chunk_size
+        self.scale = None if c.scale is None else float(c.scale)
+        self.norm_eps = validate.check_nonneg("norm_eps", norm_eps)
+        self.head_offset = head_offset
+        self.total_kv_heads = self.num_kv_heads if total_kv_heads is None else total_kv_heads
+        if not 0 <= head_offset <= self.total_kv_heads - self.num_kv_heads:
+            raise ValueError(f"head_offset: expected 0 <= head_offset <= total_kv_heads - "
+                             f"num_kv_heads = {self.total_kv_heads - self.num_kv_heads}, "
+                             f"got {head_offset}")
+        fk = dict(device=device, dtype=dtype)
+        Hq, Hkv, K = self.num_heads, self.num_kv_heads, self.head_dim
+
+        def param(shape: tuple[int, ...], on: bool) -> nn.Parameter | None:
+            return nn.Parameter(torch.empty(*shape, **fk)) if on else None
+
+        # logsigmoid(p) = log(gamma): p = logit(gamma) puts the start on the RetNet
+        # schedule, and log-decay <= 0 holds for every value of p by construction.
+        self.decay_bias = param((Hkv,), self.decay in ("learned", "data"))
+        self.decay_weight = param((Hkv, K), self.decay == "data")
+        self.norm_weight = param((Hq, K), self.output_norm)
+        self.key_mix = param((Hq,), self.first_order and self.operator in KEY_MIX_OPS)
+        self.value_mix = param((Hq,), self.first_order and self.operator in VALUE_MIX_OPS)
+        self.reset_parameters()
+
+    def _schedule(self, device: torch.device | None = None) -> torch.Tensor:
+        """This rank's slice of the RetNet schedule, [Hkv] fp32."""
+        full = retnet_log_decay(self.total_kv_heads, device)
+        return full[self.head_offset : self.head_offset + self.num_kv_heads]
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Decay at the RetNet schedule (data gate weight zero), norm gains one, the
+        higher-order weights of the first-order path zero (the layer starts first order)."""
+        if self.decay_bias is not None:
+            a = self._schedule(self.decay_bias.device).double()
+            # logit(exp(a)) = a - log(1 - exp(a)) = a - log(-expm1(a))
+            self.decay_bias.copy_(a - torch.log(-torch.expm1(a)))
+        for p in (self.decay_weight, self.key_mix, self.value_mix):
+            if p is not None:
+                p.zero_()
+        if self.norm_weight is not None:
+            self.norm_weight.fill_(1.0)
+
+    def log_decay(self, k: torch.Tensor) -> torch.Tensor | None:
+        """The log-decay for keys k [B, T, Hkv, K]: None, [Hkv] or [B, T, Hkv] (<= 0).
+
+        In the compute dtype (fp32, fp64 for fp64 keys)."""
+        if self.decay == "none":
+            return None
+        cdt = compute_dtype(k.dtype)
+        if self.decay == "fixed":
+            return self._schedule(k.device).to(cdt)
+        if self.decay == "learned":
+            return F.logsigmoid(self.decay_bias.to(cdt))
+        z = torch.einsum("bthk,hk->bth", k.to(cdt), self.decay_weight.to(cdt))
+        return F.logsigmoid(z + self.decay_bias.to(cdt)) / DATA_DECAY_TEMPERATURE
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"operator={self.operator}, decay={self.decay}, qk_norm={self.qk_norm}, "
+                f"output_norm={self.output_norm}, first_order={self.first_order}, "
+                f"normalize={self.normalize}, ridge={self.ridge}")
+
+    def state_shapes(self, n: int) -> dict[str, tuple[int, ...] | None]:
+        """Field -> shape of the operator's state for n sequences (None: absent)."""
+        return state_shapes(self.operator, n, self.num_heads, self.num_kv_heads,
+                            self.head_dim, self.head_dim, self.normalize)
+
+    def init_state(self, n: int, device: torch.device | str | None = None,
+                   dtype: torch.dtype = torch.float32) -> tuple:
+        """A zero state for n sequences (fp32: states accumulate in fp32)."""
+        fields = [None if s is None else torch.zeros(s, device=device, dtype=dtype)
+                  for s in self.state_shapes(n).values()]
+        return ALL_STATE_TYPES[self.operator](*fields)
+
+    def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if q.dim() != 4 or q.shape[2:] != (self.num_heads, self.head_dim):
+            raise ValueError(f"q: expected [B, T, {self.num_heads}, {self.head_dim}], "
+                             f"got {tuple(q.shape)}")
+        for name, x in (("k", k), ("v", v)):
+            if x.dim() != 4 or x.shape[2:] != (self.num_kv_heads, self.head_dim):
+                raise ValueError(f"{name}: expected [B, T, {self.num_kv_heads}, "
+                                 f"{self.head_dim}], got {tuple(x.shape)}")
+            if x.dtype != q.dtype:
+                raise TypeError(f"{name}: expected dtype {q.dtype} (the dtype of q), "
+                                f"got {x.dtype}")
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        initial_state: tuple | None = None,
+        output_final_state: bool = False,
+        cu_seqlens: torch.Tensor | None = None,
+        sp: SequenceParallelism | None = None,
+        chunk_size: int | None = None,
+    ) -> tuple[torch.Tensor, tuple | None]:
+        """Per-head attention.
+
+        Args:
+            q: [B, T, Hq, K]. k, v: [B, T, Hkv, K]. Under ``sp`` each rank passes its
+                shard and ``cu_seqlens`` holds global offsets.
+            chunk_size: overrides the module's chunk length (decode steps use 1).
+
+        Returns:
+            (o [B, T, Hq, K] in q's dtype, final state or None)
+        """
+        self._check(q, k, v)
+        log_decay = self.log_decay(k)
+        # Everything between the projections runs in the compute dtype (fp32, or fp64
+        # for fp64 inputs) and is rounded once, at the output: the operators accumulate
+        # in it anyway, and normalised q, k are not rounded back to bf16 first.
+        in_dtype = q.dtype
+        cdt = compute_dtype(in_dtype)
+        q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
+        if self.qk_norm:
+            # L2 per head: |q.k| <= 1, so no power of t in S, H can come from key size.
+            q = F.normalize(q, dim=-1)
+            k = F.normalize(k, dim=-1)
+        mixes = [None if p is None else p.to(cdt) for p in (self.key_mix, self.value_mix)]
+        o, state = grouped_operator(
+            self.operator, q, k, v, log_decay=log_decay, normalize=self.normalize,
+            eps=self.eps, ridge=self.ridge, scale=self.scale, initial_state=initial_state,
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens, sp=sp,
+            chunk_size=self.chunk_size if chunk_size is None else chunk_size,
+            key_mix=mixes[0], value_mix=mixes[1],
+        )
+        if self.output_norm:
+            # Per-head RMSNorm: HLA outputs grow with context (a power of t without
+            # decay) and with the head's window; the norm removes the scale, the gain
+            # learns it back.
+            o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps)
+            o = o * self.norm_weight.to(cdt)
+        return o.to(in_dtype), state
