@@ -8,7 +8,7 @@ sitecustomize lets Megatron run without CUDA (a test helper, not part of hla_sp)
 
 Checked for the <= 0.17 API (0.17.1) and the newest (0.19.2): the HLA check passes;
 CP = 2 reproduces CP = 1's losses within 1e-5; a softmax run of the same model gives
-other losses. On 0.19.2 also TP = 2 x CP = 2 (4 ranks) and a hybrid stack at CP = 1;
+other losses; a hybrid stack trains at CP = 1. On 0.19.2 also TP = 2 x CP = 2 (4 ranks);
 on 0.18.0 (its own pretrain API) CP = 2 against CP = 1.
 
 Without the environment these tests skip, except under CI (``CI`` set and not
@@ -167,15 +167,17 @@ def test_real_pretrain_tp2_cp2_equals_tp1_cp1():
 
 
 @pytest.mark.timeout(900)
-def test_real_pretrain_hybrid_stack_cp1():
-    """--hla-layer-pattern 2 on 2 layers: HLA then softmax; neither run's losses."""
-    r, hybrid = run_once("0.19.2", 1, *HLA, "--hla-layer-pattern", "2")
-    ok(r, hybrid, "0.19.2 hybrid")
+@pytest.mark.parametrize("version", ["0.17.1", "0.19.2"])
+def test_real_pretrain_hybrid_stack_cp1(version):
+    """--hla-layer-pattern 2 on 2 layers: HLA then softmax; neither run's losses. The
+    block spec goes through our model_provider (0.17) and the model config (0.19)."""
+    r, hybrid = run_once(version, 1, *HLA, "--hla-layer-pattern", "2")
+    ok(r, hybrid, f"{version} hybrid")
     out = r.stdout + r.stderr
     assert "hybrid stack, HLA where the pattern says 1: [1, 0]; layers: ['hla2', " \
            "'DotProductAttention']" in out, out[-3000:]
-    _, hla = run_once("0.19.2", 1, *HLA)
-    _, soft = run_once("0.19.2", 1)
+    _, hla = run_once(version, 1, *HLA)
+    _, soft = run_once(version, 1)
     for other in (hla, soft):
         assert all(abs(x - y) > 1e-4 for x, y in zip(hybrid, other)), (hybrid, other)
 
