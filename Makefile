@@ -34,13 +34,18 @@ $(STAMP312): requirements-megatron-py312.txt
 	set -ex; rm -rf $(VENV312) $(MCORE_DIR); "$$py" -m venv $(VENV312); \
 	$(VENV312)/bin/python -m pip install -q -r requirements-megatron-py312.txt; \
 	$(VENV312)/bin/python -m pip install -q --no-deps -e .; \
-	for v in $(MCORE_VERSIONS); do $(VENV312)/bin/python -m pip install -q --no-deps \
-	    --target $(MCORE_DIR)/$$v megatron-core==$$v; done; \
 	touch $@
 
+# Each megatron-core version in its own directory (--no-deps: torch, numpy, packaging are
+# in the environment); a version added to MCORE_VERSIONS is installed on the next run.
 setup-megatron: $(STAMP312)
+	@if [ -f $(STAMP312) ]; then for v in $(MCORE_VERSIONS); do \
+	    [ -f $(MCORE_DIR)/$$v/.installed ] && continue; set -x; rm -rf $(MCORE_DIR)/$$v; \
+	    $(VENV312)/bin/python -m pip install -q --no-deps --target $(MCORE_DIR)/$$v \
+	        megatron-core==$$v && touch $(MCORE_DIR)/$$v/.installed || exit 1; set +x; \
+	done; fi
 
-test: $(STAMP) $(STAMP312)
+test: $(STAMP) setup-megatron
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q -m "not slow" --timeout=900
 
