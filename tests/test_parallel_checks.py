@@ -262,7 +262,6 @@ def _plan_is_freed(rank: int, world_size: int, use_checkpoint: bool) -> bool:
     o = checkpoint(layer, q, use_reentrant=False) if use_checkpoint else layer(q)
     o.sum().backward()
     del o
-    sp._last_plan = None  # kept only for callers that pass sp, not the plan, to stages
     gc.collect()
     return bool(plans) and all(p() is None for p in plans)
 

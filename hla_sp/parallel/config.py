@@ -13,7 +13,7 @@ of the call: ``SequenceParallel`` itself is configuration. It implements the pro
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -72,9 +72,6 @@ class SequenceParallel:
     """Compute the local outputs while the summaries are exchanged. False waits for the
     exchange first: benchmarks use it to measure how much of the exchange the overlap
     hides. Results are the same either way."""
-    # Only for callers that still pass this object, not the plan, to the primitive
-    # (hla_sp.nn's GQA stages): the plan of the last check, looked up by plan_for.
-    _last_plan: Plan | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.group is not None and not isinstance(self.group, dist.ProcessGroup):
@@ -135,7 +132,6 @@ class SequenceParallel:
             lengths=lengths, pieces=tuple(layout_pieces(self.layout, list(lengths))),
             T=sum(lengths), bounds=bounds, needs_grad=needs_grad, chain=Chain(token),
         )
-        self._last_plan = plan
         return plan
 
     def _metadata_row(
@@ -211,30 +207,26 @@ class SequenceParallel:
         chunk_size: int,
         plan: Plan | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The primitive over this rank's shard under ``plan`` (see
-        :func:`hla_sp.parallel.primitive.sp_primitive`); without a plan, the last
-        checked call's (for callers that do not carry the plan yet)."""
+        """The primitive over this rank's shard under ``plan``, the :class:`Plan` that
+        :meth:`check_call` returned for the call (see
+        :func:`hla_sp.parallel.primitive.sp_primitive`)."""
         if plan is None:
-            plan = self.plan_for(q, cu_seqlens)
+            raise RuntimeError(
+                "SequenceParallel: no checked call matches this shard (local T = "
+                f"{q.shape[1]}): the primitive's stages take the plan that "
+                "sp.check_call(...) returned for their call (plan=...)"
+            )
+        # A cheap guard (the offsets were converted once, by check_call): a plan of
+        # another call would fold the wrong pieces.
+        if plan.lengths[plan.rank] != q.shape[1] or (plan.bounds is None) != (cu_seqlens is None):
+            raise RuntimeError(
+                f"SequenceParallel: no checked call matches this shard (local T = "
+                f"{q.shape[1]}): the plan was made for local T = {plan.lengths[plan.rank]}"
+                f" and {'no' if plan.bounds is None else ''} cu_seqlens"
+            )
         return sp_primitive(
             q, k, v, g, h0=h0, want_final=want_final, chunk_size=chunk_size, plan=plan
         )
-
-    def plan_for(self, q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> Plan:
-        """The plan of the last checked call, if it was made for this shard.
-
-        Only for callers that pass this object, not the plan :meth:`check_call`
-        returned, to the primitive stages.
-        """
-        bounds = None if cu_seqlens is None else tuple(int(c) for c in cu_seqlens.tolist())
-        plan = self._last_plan
-        if plan is None or not plan.matches(q.shape[1], bounds):
-            raise RuntimeError(
-                "SequenceParallel: no checked call matches this shard (local T = "
-                f"{q.shape[1]}); the public operators call sp.check_call(...) before "
-                "their primitive stages, and a direct call of primitive(..., sp=sp) must too"
-            )
-        return plan
 
 
 def _disagreements(table: list[list[int]]) -> list[str]:

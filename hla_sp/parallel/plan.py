@@ -67,9 +67,5 @@ class Plan:
         """Global document ends."""
         return {self.T} if self.bounds is None else set(self.bounds[1:])
 
-    def matches(self, local_T: int, bounds: tuple[int, ...] | None) -> bool:
-        """Whether this plan was made for a shard of ``local_T`` tokens and ``bounds``."""
-        return self.lengths[self.rank] == local_T and self.bounds == bounds
-
     def global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank)
