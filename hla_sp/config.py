@@ -27,8 +27,8 @@ HLA_OPERATORS: tuple[str, ...] = ("hla2", "ahla", "hla3")
 
 # The layer's keyword arguments (HLAHeads / HLAttention), in their order.
 _HEADS_FIELDS = (
-    "operator", "decay", "qk_norm", "output_norm", "first_order", "normalize", "eps", "ridge",
-    "scale", "chunk_size",
+    "operator", "decay", "qk_norm", "output_norm", "first_order", "short_conv", "normalize",
+    "eps", "ridge", "scale", "chunk_size",
 )
 
 
@@ -57,6 +57,12 @@ class HLAConfig:
     """hla2/ahla/hla3: keep a first-order path in the outer stage, k + a k~ (hla2, hla3)
     and v + b u (ahla, hla3), a and b learned per head and zero at the start. It is
     what makes the higher-order operators learn from context (docs/quality.md)."""
+    short_conv: int = field(default=4, metadata=_flag(
+        "Taps of the short causal convolution (with SiLU) on q, k, v before the operator; "
+        "0 turns it off."))
+    """Taps W of a depthwise causal convolution over time on q, k and v (SiLU after),
+    exact across documents, decode states and sequence-parallel ranks; 0 turns it off.
+    It lets every operator match a key to the token after it (docs/quality.md)."""
     normalize: bool = field(default=False, metadata=_flag(
         "hla2 only: divide by the paper's normaliser (can be near zero)."))
     """hla2 only: divide by the paper's normaliser q^T eta (eps added)."""
@@ -98,6 +104,9 @@ class HLAConfig:
         if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float))
                               or not (math.isfinite(s) and s > 0)):
             raise ValueError(f"scale: expected a finite number > 0 or None, got {s!r}")
+        w = self.short_conv
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0 or w == 1:
+            raise ValueError(f"short_conv: expected 0 (off) or a number of taps >= 2, got {w!r}")
         c = self.chunk_size
         if isinstance(c, bool) or not isinstance(c, int) or c < 1 or c & (c - 1):
             raise ValueError(f"chunk_size: expected a power of two, got {c!r}")
@@ -170,4 +179,14 @@ def _nonneg_float(text: str) -> float:
 _CHOICES: dict[str, tuple[str, ...]] = {
     "operator": OPERATORS, "decay": DECAYS, "sp_method": SP_METHODS,
 }
-_PARSERS = {"ridge": _nonneg_float, "chunk_size": _power_of_two}
+def _taps(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 0 or an int >= 2, got {text!r}") from None
+    if n < 0 or n == 1:
+        raise argparse.ArgumentTypeError(f"expected 0 or an int >= 2, got {n}")
+    return n
+
+
+_PARSERS = {"ridge": _nonneg_float, "chunk_size": _power_of_two, "short_conv": _taps}

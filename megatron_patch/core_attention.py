@@ -22,10 +22,9 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
-from hla_sp.config import SP_METHODS, HLAConfig
+from hla_sp.config import HLAConfig
 from hla_sp.nn import HLAHeads
 
-_DEFAULTS = HLAConfig()  # the keyword defaults below are HLAConfig's
 # HLA is causal by construction; a THD batch may say padding_causal (its padding is
 # described by cu_seqlens, which we use).
 _CAUSAL = ("causal", "padding_causal")
@@ -55,10 +54,9 @@ class HLACoreAttention(MegatronModule):
         cp_comm_type: unused (the exchange method is ``sp_method``).
         pg_collection: process groups; ``tp`` and ``cp`` are used when present,
             else megatron's ``parallel_state``.
-        operator, decay, qk_norm, output_norm, normalize, eps, ridge, chunk_size: as in
-            :class:`hla_sp.nn.HLAHeads`.
-        sp_method: "allgather" | "ring" | "tree", the exchange of the segment summaries
-            across the context-parallel group.
+        options: the fields of :class:`hla_sp.config.HLAConfig` (operator, decay,
+            first_order, short_conv, ..., and sp_method, the exchange of the segment
+            summaries across the context-parallel group), keyword-only; checked by it.
     """
 
     def __init__(
@@ -71,16 +69,7 @@ class HLACoreAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: Any = None,
-        *,
-        operator: str = _DEFAULTS.operator,
-        decay: str = _DEFAULTS.decay,
-        qk_norm: bool = _DEFAULTS.qk_norm,
-        output_norm: bool = _DEFAULTS.output_norm,
-        normalize: bool = _DEFAULTS.normalize,
-        eps: float = _DEFAULTS.eps,
-        ridge: float = _DEFAULTS.ridge,
-        chunk_size: int = _DEFAULTS.chunk_size,
-        sp_method: str = _DEFAULTS.sp_method,
+        **options: Any,
     ):
         super().__init__(config=config)
         self.config = config
@@ -88,9 +77,8 @@ class HLACoreAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
         self._check_mask_type(attn_mask_type)
-        if sp_method not in SP_METHODS:
-            raise ValueError(f"sp_method: expected one of {SP_METHODS}, got {sp_method!r}")
-        self.sp_method = sp_method
+        hla = HLAConfig(**options)
+        self.sp_method = hla.sp_method
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
             # Megatron-LM's default is 0.1; failing would break stock command lines.
@@ -128,10 +116,9 @@ class HLACoreAttention(MegatronModule):
             device = torch.device("cuda", torch.cuda.current_device())
         ng = groups // tp_size
         self.heads = HLAHeads(
-            heads // tp_size, ng, head_dim, operator=operator, decay=decay, qk_norm=qk_norm,
-            output_norm=output_norm, normalize=normalize, eps=eps, ridge=ridge,
-            scale=softmax_scale, chunk_size=chunk_size, head_offset=tp_rank * ng,
-            total_kv_heads=groups, device=device, dtype=config.params_dtype,
+            heads // tp_size, ng, head_dim, **(hla.heads_kwargs() | {"scale": softmax_scale}),
+            head_offset=tp_rank * ng, total_kv_heads=groups, device=device,
+            dtype=config.params_dtype,
         )
         # Each tensor-parallel rank owns its heads' slice: mark the parameters as split
         # along dim 0, like the QKV weight, so grad-norm and checkpoints treat them so.

@@ -34,7 +34,7 @@ try:
     from megatron.core.transformer.attention import SelfAttentionSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from hla_sp.config import DECAYS, OPERATORS, SP_METHODS, HLAConfig
+    from hla_sp.config import HLAConfig
 except ImportError as e:  # see the module docstring: never let --spec swallow this
     raise RuntimeError(
         f"hla_sp.megatron_patch.specs could not be imported ({type(e).__name__}: {e}). "
@@ -42,7 +42,8 @@ except ImportError as e:  # see the module docstring: never let --spec swallow t
         "install megatron-core and hla-sp in this environment."
     ) from e
 
-_DEFAULTS = HLAConfig()  # the keyword defaults below are HLAConfig's
+_DEFAULTS = HLAConfig()
+HLA_FIELDS = tuple(f.name for f in dataclasses.fields(HLAConfig) if f.name != "operator")
 
 
 
@@ -67,30 +68,20 @@ def is_hla_builder(builder: Any) -> bool:
     return isinstance(module, type) and issubclass(module, HLACoreAttention)
 
 
-def hla_core_attention_spec(
-    operator: str = _DEFAULTS.operator,
-    *,
-    decay: str = _DEFAULTS.decay,
-    normalize: bool = _DEFAULTS.normalize,
-    ridge: float = _DEFAULTS.ridge,
-    chunk_size: int = _DEFAULTS.chunk_size,
-    sp_method: str = _DEFAULTS.sp_method,
-    qk_norm: bool = _DEFAULTS.qk_norm,
-    output_norm: bool = _DEFAULTS.output_norm,
-) -> ModuleSpec:
-    """The ModuleSpec of HLACoreAttention with its options as params (checked here)."""
-    if operator not in OPERATORS:
-        raise ValueError(f"operator: expected one of {OPERATORS}, got {operator!r}")
-    if decay not in DECAYS:
-        raise ValueError(f"decay: expected one of {DECAYS}, got {decay!r}")
-    if sp_method not in SP_METHODS:
-        raise ValueError(f"sp_method: expected one of {SP_METHODS}, got {sp_method!r}")
-    return ModuleSpec(
-        module=HLACoreAttention,
-        params=dict(operator=operator, decay=decay, normalize=normalize, ridge=ridge,
-                    chunk_size=chunk_size, sp_method=sp_method, qk_norm=qk_norm,
-                    output_norm=output_norm),
-    )
+def hla_core_attention_spec(operator: str = _DEFAULTS.operator, **options: Any) -> ModuleSpec:
+    """The ModuleSpec of HLACoreAttention; ``options`` are :class:`hla_sp.config.HLAConfig`
+    fields (decay, first_order, short_conv, sp_method, ...), checked here by the config."""
+    unknown = sorted(set(options) - set(HLA_FIELDS))
+    if unknown:
+        raise TypeError(f"options: expected HLAConfig fields {HLA_FIELDS}, got {unknown}")
+    cfg = HLAConfig(operator=operator, **options)  # type: ignore[arg-type]
+    return ModuleSpec(module=HLACoreAttention, params=dataclasses.asdict(cfg))
+
+
+def _split_options(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(HLA options, megatron-core's keyword arguments) of a spec builder's kwargs."""
+    hla = {k: v for k, v in kwargs.items() if k in HLA_FIELDS}
+    return hla, {k: v for k, v in kwargs.items() if k not in HLA_FIELDS}
 
 
 def _replace_core_attention(layer_spec: ModuleSpec, core: ModuleSpec) -> ModuleSpec:
@@ -107,26 +98,15 @@ def _replace_core_attention(layer_spec: ModuleSpec, core: ModuleSpec) -> ModuleS
     return layer_spec
 
 
-def get_hla_layer_local_spec(
-    operator: str = _DEFAULTS.operator,
-    *,
-    decay: str = _DEFAULTS.decay,
-    normalize: bool = _DEFAULTS.normalize,
-    ridge: float = _DEFAULTS.ridge,
-    chunk_size: int = _DEFAULTS.chunk_size,
-    sp_method: str = _DEFAULTS.sp_method,
-    qk_norm: bool = _DEFAULTS.qk_norm,
-    output_norm: bool = _DEFAULTS.output_norm,
-    **megatron_kwargs: Any,
-) -> ModuleSpec:
-    """``get_gpt_layer_local_spec(**megatron_kwargs)`` with HLA as core attention.
+def get_hla_layer_local_spec(operator: str = _DEFAULTS.operator, **kwargs: Any) -> ModuleSpec:
+    """``get_gpt_layer_local_spec`` with HLA as core attention.
 
-    ``megatron_kwargs`` go to megatron-core's function unchanged (e.g.
-    ``normalization="RMSNorm"``); HLA options become the core attention's params.
+    ``kwargs`` that are :class:`hla_sp.config.HLAConfig` fields become the core
+    attention's params; the rest go to megatron-core's function unchanged (e.g.
+    ``normalization="RMSNorm"``).
     """
-    core = hla_core_attention_spec(operator, decay=decay, normalize=normalize, ridge=ridge,
-                                   chunk_size=chunk_size, sp_method=sp_method, qk_norm=qk_norm,
-                                   output_norm=output_norm)
+    hla, megatron_kwargs = _split_options(kwargs)
+    core = hla_core_attention_spec(operator, **hla)
     return _replace_core_attention(_gpt_specs.get_gpt_layer_local_spec(**megatron_kwargs), core)
 
 
@@ -141,28 +121,17 @@ def te_available() -> bool:
     return True
 
 
-def get_hla_layer_te_spec(
-    operator: str = _DEFAULTS.operator,
-    *,
-    decay: str = _DEFAULTS.decay,
-    normalize: bool = _DEFAULTS.normalize,
-    ridge: float = _DEFAULTS.ridge,
-    chunk_size: int = _DEFAULTS.chunk_size,
-    sp_method: str = _DEFAULTS.sp_method,
-    qk_norm: bool = _DEFAULTS.qk_norm,
-    output_norm: bool = _DEFAULTS.output_norm,
-    **megatron_kwargs: Any,
-) -> ModuleSpec:
-    """``get_gpt_layer_with_transformer_engine_spec`` with HLA as core attention.
+def get_hla_layer_te_spec(operator: str = _DEFAULTS.operator, **kwargs: Any) -> ModuleSpec:
+    """``get_gpt_layer_with_transformer_engine_spec`` with HLA as core attention (kwargs
+    split as in :func:`get_hla_layer_local_spec`).
 
     TE's fused layernorm + QKV linear and MLP stay; only the attention core changes.
     """
     if not te_available():
         raise RuntimeError("get_hla_layer_te_spec: transformer_engine does not import here; "
                            "use get_hla_layer_local_spec")
-    core = hla_core_attention_spec(operator, decay=decay, normalize=normalize, ridge=ridge,
-                                   chunk_size=chunk_size, sp_method=sp_method, qk_norm=qk_norm,
-                                   output_norm=output_norm)
+    hla, megatron_kwargs = _split_options(kwargs)
+    core = hla_core_attention_spec(operator, **hla)
     te = _gpt_specs.get_gpt_layer_with_transformer_engine_spec(**megatron_kwargs)
     return _replace_core_attention(te, core)
 

@@ -126,9 +126,13 @@ def test_first_order_path_starts_first_order():
 
 def test_gqa_state_is_per_group():
     heads = HLAHeads(8, 2, 4, operator="hla3")
-    st = heads.init_state(3)
+    layer_state = heads.init_state(3)
+    st = layer_state.op
     assert st.S.shape == (3, 2, 4, 4) and st.C.shape == (3, 2, 4, 4) and st.H.shape == (3, 8, 4, 4)
-    assert isinstance(HLAHeads(4, 1, 4, operator="linear").init_state(1), LinearState)
+    # The conv keeps the last W-1 inputs of q (8 heads), k and v (2 heads each).
+    assert layer_state.conv.shape == (3, heads.short_conv - 1, (8 + 2 * 2) * 4)
+    lin = HLAHeads(4, 1, 4, operator="linear", short_conv=0)
+    assert isinstance(lin.init_state(1), LinearState)
 
 
 def test_mha_path_is_the_public_operator():
@@ -197,7 +201,7 @@ def test_decode_cost_does_not_grow_with_context():
     x = torch.randn(1, 50, 24, dtype=F64)
     _, s5 = m(x[:, :5], output_final_state=True)
     _, s50 = m(x, output_final_state=True)
-    assert [t.shape for t in s5] == [t.shape for t in s50]
+    assert [t.shape for t in (*s5.op, s5.conv)] == [t.shape for t in (*s50.op, s50.conv)]
 
 
 def test_decay_is_nonpositive_by_construction():
@@ -224,14 +228,16 @@ def test_retnet_schedule():
 
 
 def test_output_norm_and_qk_norm():
-    m = _layer("hla2", "none")
+    # Without the conv, whose SiLU before the qk-norm would make the scale matter.
+    m = _layer("hla2", "none", short_conv=0)
     x = torch.randn(1, 16, 24, dtype=F64)
     h = m.heads
     q = m.q_proj(x).view(1, 16, 4, 6)
     k = m.k_proj(x).view(1, 16, 2, 6)
     v = m.v_proj(x).view(1, 16, 2, 6)
     o, _ = h(q, k, v)
-    raw_heads = HLAHeads(4, 2, 6, operator="hla2", decay="none", output_norm=False).double()
+    raw_heads = HLAHeads(4, 2, 6, operator="hla2", decay="none", output_norm=False,
+                         short_conv=0).double()
     with torch.no_grad():
         raw_heads.key_mix.copy_(h.key_mix)  # the same operator, without the norm
     raw, _ = raw_heads(q, k, v)
@@ -312,3 +318,29 @@ def test_small_model_learns_without_nan():
         assert math.isfinite(loss.item())
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.3, losses
+
+
+def test_short_conv_is_a_causal_depthwise_conv_per_document():
+    """ShortConv against torch's conv1d, document by document: zero before each start,
+    or the carried inputs; the final state is each document's last W-1 inputs."""
+    from hla_sp.nn.conv import ShortConv
+
+    torch.manual_seed(0)
+    conv = ShortConv(5, 4).double()
+    x = torch.randn(1, 13, 5, dtype=F64)
+    bounds = [0, 2, 2, 9, 13]  # an empty document and one shorter than W-1
+    carried = torch.randn(4, 3, 5, dtype=F64)
+    y, final = conv(x, bounds=bounds, state=carried, want_final=True)
+    w = conv.weight.flip(-1)[:, None, :]  # conv1d correlates: tap d reads x_{t-d}
+    for n in range(len(bounds) - 1):
+        a, b = bounds[n], bounds[n + 1]
+        seq = torch.cat([carried[n], x[0, a:b]])  # [W-1 + len, C]
+        if b > a:
+            ref = torch.nn.functional.conv1d(seq.T[None], w, groups=5)[0].T
+            torch.testing.assert_close(y[0, a:b], torch.nn.functional.silu(ref), rtol=1e-12,
+                                       atol=1e-12)
+        torch.testing.assert_close(final[n], seq[-3:], rtol=0, atol=0)
+    y0, _ = conv(x, bounds=bounds)  # no carried inputs: zeros before each start
+    assert (y0 - y).abs()[0, :2].max() > 1e-3 and (y0 - y).abs()[0, 6:9].max() == 0
+    with pytest.raises(ValueError, match="initial_state"):
+        conv(x, bounds=bounds, state=carried[:2])

@@ -18,11 +18,14 @@ Decay lives per kv head, so that a group's shared state is well defined; with
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hla_sp.config import DECAYS, OPERATORS, HLAConfig
+from hla_sp.nn.conv import ShortConv
 from hla_sp.nn.grouped import ALL_STATE_TYPES, grouped_operator, state_shapes
 from hla_sp.ops import validate
 from hla_sp.ops.chunk import compute_dtype
@@ -37,6 +40,15 @@ DATA_DECAY_TEMPERATURE = 16.0
 # Which operators mix the first-order key (k + a k~) and value (v + b u).
 KEY_MIX_OPS = ("hla2", "hla3")
 VALUE_MIX_OPS = ("ahla", "hla3")
+
+
+class LayerState(NamedTuple):
+    """The state of a layer with a short convolution: the operator's state tuple and the
+    convolution's last W-1 inputs per sequence, conv [N, W-1, (Hq + 2 Hkv) K] (q, k, v
+    side by side, before the convolution)."""
+
+    op: tuple
+    conv: torch.Tensor
 
 
 def retnet_log_decay(num_heads: int, device: torch.device | None = None) -> torch.Tensor:
@@ -64,6 +76,8 @@ class HLAHeads(nn.Module):
         qk_norm: L2-normalise q and k per head (before the scale).
         output_norm: RMSNorm over each head's output, with a learned gain per channel.
         first_order: the first-order path with learned per-head weights (module docs).
+        short_conv: taps of the causal depthwise convolution (SiLU) on q, k, v; 0: none.
+            With it the state is a :class:`LayerState`.
         normalize, eps, ridge: hla2's options (docs of :func:`hla_sp.hla2`).
         scale: query scale; None means K ** -0.5.
         chunk_size: chunk length of the chunk-parallel path.
@@ -83,6 +97,7 @@ class HLAHeads(nn.Module):
         qk_norm: bool = DEFAULTS.qk_norm,
         output_norm: bool = DEFAULTS.output_norm,
         first_order: bool = DEFAULTS.first_order,
+        short_conv: int = DEFAULTS.short_conv,
         normalize: bool = DEFAULTS.normalize,
         eps: float = DEFAULTS.eps,
         ridge: float = DEFAULTS.ridge,
@@ -107,12 +122,13 @@ class HLAHeads(nn.Module):
             operator=validate.check_choice("operator", operator, OPERATORS),  # type: ignore[arg-type]
             decay=validate.check_choice("decay", decay, DECAYS),  # type: ignore[arg-type]
             qk_norm=qk_norm, output_norm=output_norm, first_order=first_order,
-            normalize=normalize, eps=eps, ridge=ridge, scale=scale, chunk_size=chunk_size,
+            short_conv=short_conv, normalize=normalize, eps=eps, ridge=ridge, scale=scale,
+            chunk_size=chunk_size,
         )
         c = self.config
         self.operator, self.decay, self.qk_norm = c.operator, c.decay, c.qk_norm
         self.output_norm, self.first_order = c.output_norm, c.first_order
-        self.normalize = c.normalize
+        self.normalize, self.short_conv = c.normalize, c.short_conv
         self.eps, self.ridge, self.chunk_size = float(c.eps), float(c.ridge), c.chunk_size
         self.scale = None if c.scale is None else float(c.scale)
         self.norm_eps = validate.check_nonneg("norm_eps", norm_eps)
@@ -135,6 +151,7 @@ class HLAHeads(nn.Module):
         self.norm_weight = param((Hq, K), self.output_norm)
         self.key_mix = param((Hq,), self.first_order and self.operator in KEY_MIX_OPS)
         self.value_mix = param((Hq,), self.first_order and self.operator in VALUE_MIX_OPS)
+        self.conv = ShortConv((Hq + 2 * Hkv) * K, c.short_conv, **fk) if c.short_conv else None
         self.reset_parameters()
 
     def _schedule(self, device: torch.device | None = None) -> torch.Tensor:
@@ -155,6 +172,8 @@ class HLAHeads(nn.Module):
                 p.zero_()
         if self.norm_weight is not None:
             self.norm_weight.fill_(1.0)
+        if self.conv is not None:
+            self.conv.reset_parameters()
 
     def log_decay(self, k: torch.Tensor) -> torch.Tensor | None:
         """The log-decay for keys k [B, T, Hkv, K]: None, [Hkv] or [B, T, Hkv] (<= 0).
@@ -174,6 +193,7 @@ class HLAHeads(nn.Module):
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"operator={self.operator}, decay={self.decay}, qk_norm={self.qk_norm}, "
                 f"output_norm={self.output_norm}, first_order={self.first_order}, "
+                f"short_conv={self.short_conv}, "
                 f"normalize={self.normalize}, ridge={self.ridge}")
 
     def state_shapes(self, n: int) -> dict[str, tuple[int, ...] | None]:
@@ -183,10 +203,15 @@ class HLAHeads(nn.Module):
 
     def init_state(self, n: int, device: torch.device | str | None = None,
                    dtype: torch.dtype = torch.float32) -> tuple:
-        """A zero state for n sequences (fp32: states accumulate in fp32)."""
+        """A zero state for n sequences (fp32: states accumulate in fp32): the operator's
+        state, in a :class:`LayerState` with the conv's inputs when there is a conv."""
         fields = [None if s is None else torch.zeros(s, device=device, dtype=dtype)
                   for s in self.state_shapes(n).values()]
-        return ALL_STATE_TYPES[self.operator](*fields)
+        op = ALL_STATE_TYPES[self.operator](*fields)
+        if self.conv is None:
+            return op
+        W, C = self.conv.kernel_size, self.conv.channels
+        return LayerState(op, torch.zeros(n, W - 1, C, device=device, dtype=dtype))
 
     def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if q.dim() != 4 or q.shape[2:] != (self.num_heads, self.head_dim):
@@ -223,6 +248,7 @@ class HLAHeads(nn.Module):
             (o [B, T, Hq, K] in q's dtype, final state or None)
         """
         self._check(q, k, v)
+        op_state, conv_state = self._split_state(initial_state)
         log_decay = self.log_decay(k)
         # Everything between the projections runs in the compute dtype (fp32, or fp64
         # for fp64 inputs) and is rounded once, at the output: the operators accumulate
@@ -230,6 +256,10 @@ class HLAHeads(nn.Module):
         in_dtype = q.dtype
         cdt = compute_dtype(in_dtype)
         q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
+        conv_final = None
+        if self.conv is not None:
+            q, k, v, conv_final = self._convolve(q, k, v, conv_state, cu_seqlens, sp,
+                                                 output_final_state)
         if self.qk_norm:
             # L2 per head: |q.k| <= 1, so no power of t in S, H can come from key size.
             q = F.normalize(q, dim=-1)
@@ -237,7 +267,7 @@ class HLAHeads(nn.Module):
         mixes = [None if p is None else p.to(cdt) for p in (self.key_mix, self.value_mix)]
         o, state = grouped_operator(
             self.operator, q, k, v, log_decay=log_decay, normalize=self.normalize,
-            eps=self.eps, ridge=self.ridge, scale=self.scale, initial_state=initial_state,
+            eps=self.eps, ridge=self.ridge, scale=self.scale, initial_state=op_state,
             output_final_state=output_final_state, cu_seqlens=cu_seqlens, sp=sp,
             chunk_size=self.chunk_size if chunk_size is None else chunk_size,
             key_mix=mixes[0], value_mix=mixes[1],
@@ -248,4 +278,45 @@ class HLAHeads(nn.Module):
             # learns it back.
             o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps)
             o = o * self.norm_weight.to(cdt)
+        if state is not None and self.conv is not None:
+            state = LayerState(state, conv_final)
         return o.to(in_dtype), state
+
+    def _split_state(self, state: object) -> tuple[tuple | None, torch.Tensor | None]:
+        """(operator state, conv state) of a given initial state."""
+        if state is None or self.conv is None:
+            return state, None  # type: ignore[return-value]
+        if not isinstance(state, (tuple, list)) or len(state) != 2 or not isinstance(
+                state[1], torch.Tensor):
+            raise ValueError("initial_state: expected a LayerState(op, conv) (the layer has a "
+                             f"short convolution), got {type(state).__name__}"
+                             + (f" of {len(state)} fields" if isinstance(state, tuple) else ""))
+        return state[0], state[1]
+
+    def _convolve(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  conv_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+                  sp: SequenceParallelism | None, want_final: bool):
+        """The short convolution of q, k, v side by side; (q, k, v, final conv state)."""
+        B, T, Hq, K = q.shape
+        Hkv = k.shape[2]
+        G = Hq // Hkv
+        # The documents (and, under sp, the agreement of the ranks) are checked before
+        # any work, as the operator will check them again.
+        x = validate.check_inputs(q[:, :, ::G], k, v, log_decay=None, scale=self.scale,
+                                  cu_seqlens=cu_seqlens, sp=sp, chunk_size=self.chunk_size)
+        plan = None
+        if sp is not None:
+            plan = sp.check_call(x, op=f"short-conv/{self.short_conv}", options=(
+                conv_state is not None, want_final))
+            bounds = None if plan.bounds is None else list(plan.bounds)
+        else:
+            bounds = None if x.cu_seqlens is None else [int(c) for c in x.cu_seqlens.tolist()]
+        # Explicit widths: an empty shard (T = 0 under sp) cannot infer a -1.
+        nq, nk, nv = Hq * K, Hkv * K, Hkv * v.shape[-1]
+        xs = torch.cat([q.reshape(B, T, nq), k.reshape(B, T, nk), v.reshape(B, T, nv)], -1)
+        y, final = self.conv(xs, bounds=bounds, state=conv_state, want_final=want_final,
+                             plan=plan)
+        q = y[..., :nq].reshape(B, T, Hq, K)
+        k = y[..., nq : nq + nk].reshape(B, T, Hkv, K)
+        v = y[..., nq + nk :].reshape(B, T, Hkv, v.shape[-1])
+        return q, k, v, final

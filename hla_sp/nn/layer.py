@@ -28,8 +28,9 @@ class HLAttention(nn.Module):
         num_heads: query heads Hq.
         head_dim: per-head width K (= V); default hidden_size // num_heads.
         num_kv_heads: key/value heads (GQA/MQA); default num_heads.
-        operator, decay, qk_norm, output_norm, first_order, normalize, eps, ridge, scale,
-            chunk_size: as in :class:`HLAHeads` (defaults: :class:`hla_sp.config.HLAConfig`).
+        operator, decay, qk_norm, output_norm, first_order, short_conv, normalize, eps,
+            ridge, scale, chunk_size: as in :class:`HLAHeads` (defaults: those of
+            :class:`hla_sp.config.HLAConfig`).
         bias: biases in the projections.
     """
 
@@ -45,6 +46,7 @@ class HLAttention(nn.Module):
         qk_norm: bool = DEFAULTS.qk_norm,
         output_norm: bool = DEFAULTS.output_norm,
         first_order: bool = DEFAULTS.first_order,
+        short_conv: int = DEFAULTS.short_conv,
         normalize: bool = DEFAULTS.normalize,
         eps: float = DEFAULTS.eps,
         ridge: float = DEFAULTS.ridge,
@@ -64,7 +66,8 @@ class HLAttention(nn.Module):
             head_dim = hidden_size // num_heads
         self.heads = HLAHeads(
             num_heads, num_kv_heads, head_dim, operator=operator, decay=decay, qk_norm=qk_norm,
-            output_norm=output_norm, first_order=first_order, normalize=normalize, eps=eps,
+            output_norm=output_norm, first_order=first_order, short_conv=short_conv,
+            normalize=normalize, eps=eps,
             ridge=ridge, scale=scale, chunk_size=chunk_size, device=device, dtype=dtype,
         )
         Hq, Hkv, K = self.heads.num_heads, self.heads.num_kv_heads, self.heads.head_dim

@@ -1,0 +1,171 @@
+"""A short causal depthwise convolution over time, exact across documents, states and ranks.
+
+y_t = silu(sum_{d < W} w_d * x_{t-d}) per channel, where a tap that reaches before the
+start of t's document reads the document's carried-in inputs (the conv state of a
+previous call, for decoding) or zero. It gives every token its neighbours before the
+attention operator runs: what lets a linear recurrence match a key to the token after
+it (docs/quality.md).
+
+Every output is a gather from one buffer, per batch row:
+
+    [ local tokens (T) | gathered tails of every piece (sequence parallelism) |
+      carried-in conv states (N x (W-1)) | a zero row ]
+
+with a [T, W] index table built once per call from global positions: a tap reads
+the local token if this rank holds it, the halo (:mod:`hla_sp.parallel.halo`) if
+another rank does, the carried state if it lies before the document's start, else zero.
+The final conv state of each document (its last W-1 inputs) is assembled the same way
+and, under sequence parallelism, summed over ranks (each rank adds the positions it
+holds; rank 0 adds those carried in).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hla_sp.parallel import exchange, halo
+from hla_sp.parallel.plan import Plan
+
+
+class _Layout:
+    """Global positions and documents of this rank's tokens (single process: all)."""
+
+    def __init__(self, T: int, bounds: list[int] | None, plan: Plan | None, device):
+        self.plan, self.device = plan, device
+        if plan is None:
+            self.pieces = [(0, T, 0)]  # (global start, length, local offset)
+        else:
+            self.pieces = [(p.start, p.length, p.local_offset) for p in plan.own]
+        total = T if plan is None else plan.T
+        self.starts = [0] if bounds is None else list(bounds[:-1])
+        self.ends = [total] if bounds is None else list(bounds[1:])
+        self.pos = torch.cat([torch.arange(s, s + n) for s, n, _ in self.pieces]
+                             or [torch.zeros(0, dtype=torch.long)])
+
+    def rows(self, src: torch.Tensor, doc: torch.Tensor, T: int, halo_rows: int,
+             has_state: bool, W: int) -> torch.Tensor:
+        """Buffer rows of global positions ``src`` read for documents ``doc`` (same shape)."""
+        starts = torch.tensor(self.starts, dtype=torch.long)
+        start = starts[doc]
+        zero = T + halo_rows + len(self.starts) * (W - 1)
+        out = torch.full_like(src, zero)
+        before = src < start
+        if has_state:  # W-1 carried inputs per document, the last one just before its start
+            out = torch.where(before, T + halo_rows + doc * (W - 1) + (W - 1) - (start - src),
+                              out)
+        todo = ~before
+        for s, n, off in self.pieces:
+            mine = todo & (src >= s) & (src < s + n)
+            out = torch.where(mine, off + src - s, out)
+            todo = todo & ~mine
+        if self.plan is not None and bool(todo.any()):
+            out = torch.where(todo, T + halo.tail_rows(self.plan, src.clamp(min=0), W - 1), out)
+        return out
+
+
+class ShortConv(nn.Module):
+    """Depthwise causal convolution with W taps and SiLU, per channel.
+
+    Args:
+        channels: C, the channels convolved (q, k and v side by side).
+        kernel_size: W >= 2 taps (the token itself and W-1 before it).
+    """
+
+    def __init__(self, channels: int, kernel_size: int, *, device=None, dtype=None):
+        super().__init__()
+        if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 2:
+            raise ValueError(f"kernel_size: expected an int >= 2, got {kernel_size!r}")
+        self.channels, self.kernel_size = channels, kernel_size
+        # weight[:, d] multiplies x_{t-d}.
+        self.weight = nn.Parameter(torch.empty(channels, kernel_size, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """PyTorch's Conv1d initialisation for a depthwise kernel: U(-1/sqrt(W), 1/sqrt(W))."""
+        bound = self.kernel_size ** -0.5
+        self.weight.uniform_(-bound, bound)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        bounds: list[int] | None = None,
+        state: torch.Tensor | None = None,
+        want_final: bool = False,
+        plan: Plan | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [B, T_local, C] -> (y [B, T_local, C], final conv state [N, W-1, C] or None).
+
+        Args:
+            bounds: global document offsets (cu_seqlens as ints, B == 1), or None (each
+                batch row is one sequence).
+            state: carried-in inputs [N, W-1, C] (N documents, or B rows), or None (zero).
+            plan: the call's sequence-parallel plan, or None for one process.
+        """
+        B, T, C = x.shape
+        W = self.kernel_size
+        lay = _Layout(T, bounds, plan, x.device)
+        N = len(lay.starts) if bounds is not None else B
+        if state is not None and tuple(state.shape) != (N, W - 1, C):
+            raise ValueError(f"initial_state: expected a conv state of shape {(N, W - 1, C)}, "
+                             f"got {tuple(state.shape)}")
+        parts = [x]
+        if plan is not None:
+            gathered = halo.gather_tails(plan, halo.own_tails(plan, x, W - 1))
+            # [P, slots, B, W-1, C] -> [B, P * slots * (W-1), C], flattened as tail_index.
+            parts.append(gathered.permute(2, 0, 1, 3, 4).reshape(B, -1, C))
+        halo_rows = parts[-1].shape[1] if plan is not None else 0
+        # Carried-in states: per document for packed input (B == 1), per row otherwise.
+        nstates = len(lay.starts) * (W - 1)
+        if state is None:
+            parts.append(x.new_zeros(B, nstates, C))
+        elif bounds is not None:
+            parts.append(state.to(x.dtype).reshape(1, nstates, C))
+        else:
+            parts.append(state.to(x.dtype))  # [B, W-1, C]: row b reads its own
+        parts.append(x.new_zeros(B, 1, C))
+        buf = torch.cat(parts, dim=1)
+        has_state = state is not None
+        doc = torch.searchsorted(torch.tensor(lay.starts, dtype=torch.long), lay.pos,
+                                 right=True) - 1
+        src = lay.pos[:, None] - torch.arange(W)[None, :]  # [T, W]: tap d reads t - d
+        index = lay.rows(src, doc[:, None].expand(-1, W), T, halo_rows, has_state, W)
+        taps = buf.index_select(1, index.reshape(-1).to(x.device)).view(B, T, W, C)
+        y = F.silu(torch.einsum("btwc,cw->btc", taps, self.weight.to(x.dtype)))
+        final = None
+        if want_final:
+            final = self._final(buf, lay, W, T, halo_rows, has_state, N, B)
+        if plan is not None:
+            y = exchange.tie(y, plan)
+        return y, final
+
+    def _final(self, buf: torch.Tensor, lay: _Layout, W: int, T: int, halo_rows: int,
+               has_state: bool, N: int, B: int) -> torch.Tensor:
+        """Each document's last W-1 inputs: [N, W-1, C] (packed) or [B, W-1, C]. Under sp
+        each rank adds the positions it holds, rank 0 those carried in (or zero), and one
+        all-reduce sums them."""
+        plan = lay.plan
+        n_docs = len(lay.starts)
+        starts = torch.tensor(lay.starts, dtype=torch.long)[:, None]
+        src = torch.tensor(lay.ends, dtype=torch.long)[:, None] - (W - 1) + torch.arange(W - 1)
+        doc = torch.arange(n_docs)[:, None].expand(-1, W - 1)
+        before = src < starts
+        held = torch.zeros_like(before)
+        for s, n, _ in lay.pieces:
+            held |= (src >= s) & (src < s + n)
+        keep = held | (before & (plan is None or plan.rank == 0))
+        # A position kept by another rank reads a harmless row here (one before the
+        # document's start: its carried state or zero) and is masked out.
+        src = torch.where(keep, src, starts - 1)
+        rows = lay.rows(src, doc, T, halo_rows, has_state, W).reshape(-1).to(buf.device)
+        w = keep.reshape(-1, 1).to(buf.dtype).to(buf.device)
+        if n_docs == 1 and N == B:  # one sequence per row
+            final = buf.index_select(1, rows) * w
+        else:  # packed documents (B == 1)
+            final = (buf[0].index_select(0, rows) * w).view(N, W - 1, buf.shape[-1])
+        if plan is not None:
+            final = exchange.all_reduce(plan, final)
+        return final
