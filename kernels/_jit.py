@@ -14,6 +14,11 @@ launches then swap interpreter builds of them into ``triton.language`` for the
 duration of the launch (the interpreter patches that module the same way for its
 builtins) and restore them afterwards.
 
+Helpers that kernels call (:func:`jit_helper`, e.g. the in-chunk decay of
+:mod:`hla_sp.kernels._decay`) are plain ``JITFunction`` objects whatever the mode, so
+that a GPU build (or an ahead-of-time compile) can inline them; an interpreted launch
+swaps interpreter builds of them into the kernel's module the same way.
+
 Every launch increments :data:`LAUNCHES` under the kernel's name, so tests can prove
 that the Triton path ran rather than a silent fallback.
 """
@@ -21,6 +26,7 @@ that the Triton path ran rather than a silent fallback.
 from __future__ import annotations
 
 import os
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -49,15 +55,28 @@ def interpreter_mismatch() -> str | None:
 _STDLIB_INTERPRETED: dict[int, Any] = {}
 
 
+def jit_helper(fn: Callable[..., Any]) -> Any:
+    """Decorator for a ``@triton.jit`` helper that kernels call: always a JITFunction.
+
+    ``triton.jit`` would return an interpreter object when ``TRITON_INTERPRET=1`` is set
+    at import, which a GPU compile cannot inline; interpreted launches swap in an
+    interpreter build instead (:func:`_interpretable_stdlib`).
+    """
+    from triton.runtime.jit import JITFunction
+
+    return JITFunction(fn)
+
+
 @contextmanager
-def _interpretable_stdlib() -> Iterator[None]:
-    """Interpreter builds of Triton's jitted standard library, for one launch."""
+def _interpretable_stdlib(*extra: Any) -> Iterator[None]:
+    """Interpreter builds of Triton's jitted standard library and of the jitted helpers
+    bound in the modules ``extra`` (the launching kernel's module), for one launch."""
     import triton.language.standard as standard
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
     swapped = []
-    for mod in (triton.language, standard, triton.language.math):
+    for mod in (triton.language, standard, triton.language.math, *extra):
         for name, val in list(vars(mod).items()):
             if isinstance(val, JITFunction):
                 if id(val) not in _STDLIB_INTERPRETED:
@@ -95,7 +114,7 @@ class LazyKernel:
             LAUNCHES[self.__name__] += 1
             if not interpreting():
                 return launch(*args, **kwargs)
-            with _interpretable_stdlib():
+            with _interpretable_stdlib(sys.modules[self.fn.__module__]):
                 return launch(*args, **kwargs)
 
         return run

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import triton.language as tl
 
+from ._decay import in_chunk_decay
 from ._jit import lazy_jit
 
 
@@ -42,20 +43,8 @@ def chunk_bwd_dv_kernel(
     m_t = o_t < T
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    # transposed mask: row j (key), column t (query)
-    m_Dt = o_i[:, None] <= o_i[None, :]
-    if HAS_G:
-        b_b = tl.cumsum(tl.load(g + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0), 0)
-    else:
-        b_b = tl.zeros([BT], dtype=tl.float32)
-    b_bC = tl.sum(tl.where(o_i == BT - 1, b_b, 0.0), 0)
-    b_ws = tl.exp(b_bC - b_b)
-    if HAS_R:
-        b_c = tl.cumsum(tl.load(r + i_b * T + o_t, mask=m_t, other=0), 0)
-        b_cC = tl.sum(tl.where(o_i == BT - 1, b_c, 0), 0)
-        b_ws = tl.where(b_c == b_cC, b_ws, 0.0)
-        m_Dt = m_Dt & (b_c[:, None] == b_c[None, :])
-    b_Dt = tl.exp(tl.where(m_Dt, b_b[None, :] - b_b[:, None], float("-inf")))  # [BT(j), BT(t)]
+    _, b_ws, _, b_D = in_chunk_decay(g, r, i_b, i_h, o_t, T, H, BT, HAS_G, HAS_R)
+    b_Dt = tl.trans(b_D)  # [BT(j), BT(t)]: row j (key), column t (query)
 
     b_At = tl.zeros([BT, BT], dtype=tl.float32)  # (k_j . q_t)
     b_dv = tl.zeros([BT, BV], dtype=tl.float32)
@@ -120,21 +109,7 @@ def chunk_bwd_dqk_kernel(
     m_t = o_t < T
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
-    m_D = o_i[:, None] >= o_i[None, :]
-    if HAS_G:
-        b_b = tl.cumsum(tl.load(g + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0), 0)
-    else:
-        b_b = tl.zeros([BT], dtype=tl.float32)
-    b_bC = tl.sum(tl.where(o_i == BT - 1, b_b, 0.0), 0)
-    b_wc = tl.exp(b_b)
-    b_ws = tl.exp(b_bC - b_b)
-    if HAS_R:
-        b_c = tl.cumsum(tl.load(r + i_b * T + o_t, mask=m_t, other=0), 0)
-        b_cC = tl.sum(tl.where(o_i == BT - 1, b_c, 0), 0)
-        b_wc = tl.where(b_c == 0, b_wc, 0.0)
-        b_ws = tl.where(b_c == b_cC, b_ws, 0.0)
-        m_D = m_D & (b_c[:, None] == b_c[None, :])
-    b_D = tl.exp(tl.where(m_D, b_b[:, None] - b_b[None, :], float("-inf")))  # [BT, BT]
+    b_wc, b_ws, _, b_D = in_chunk_decay(g, r, i_b, i_h, o_t, T, H, BT, HAS_G, HAS_R)
 
     b_dP = tl.zeros([BT, BT], dtype=tl.float32)  # (do_t . v_j)
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)

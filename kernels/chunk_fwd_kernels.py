@@ -1,13 +1,15 @@
 """Forward Triton kernels of the primitive (chunk_state -> state_passing -> chunk output).
 
-The algebra, the masks D, ws, wc and the pass factor p are those of
-:mod:`hla_sp.kernels.chunk`, whose launchers call these kernels.
+The algebra is that of :mod:`hla_sp.kernels.chunk`, whose launchers call these
+kernels; the masks D, ws, wc and the pass factor p come from the one helper
+:func:`hla_sp.kernels._decay.in_chunk_decay` (stable segment sums).
 """
 
 from __future__ import annotations
 
 import triton.language as tl
 
+from ._decay import in_chunk_decay
 from ._jit import lazy_jit
 
 
@@ -48,24 +50,12 @@ def chunk_state_kernel(
     o_x = i_x * BX + tl.arange(0, BX)
     o_y = i_y * BY + tl.arange(0, BY)
     m_x, m_y = o_x < DX, o_y < DY
-    # b_b: [BT] within-chunk cumulative log-decay; b_bC: the chunk's total
-    if HAS_G:
-        b_g = tl.load(g + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0)
-        b_b = tl.cumsum(b_g, 0)
-    else:
-        b_b = tl.zeros([BT], dtype=tl.float32)
-    b_bC = tl.sum(tl.where(o_i == BT - 1, b_b, 0.0), 0)
+    # CARRY: the incoming state's weight wc; else the chunk state's weight ws
+    b_wc, b_ws, _, _ = in_chunk_decay(g, r, i_b, i_h, o_t, T, H, BT, HAS_G, HAS_R)
     if CARRY:
-        b_w = tl.exp(b_b)
+        b_w = b_wc
     else:
-        b_w = tl.exp(b_bC - b_b)
-    if HAS_R:
-        b_c = tl.cumsum(tl.load(r + i_b * T + o_t, mask=m_t, other=0), 0)
-        b_cC = tl.sum(tl.where(o_i == BT - 1, b_c, 0), 0)
-        if CARRY:
-            b_w = tl.where(b_c == 0, b_w, 0.0)
-        else:
-            b_w = tl.where(b_c == b_cC, b_w, 0.0)
+        b_w = b_ws
     # p_x: [BT, BX], p_y: [BT, BY]
     p_x = x + ((i_b * T + o_t[:, None]) * H + i_h) * DX + o_x[None, :]
     p_y = y + ((i_b * T + o_t[:, None]) * H + i_h) * DY + o_y[None, :]
@@ -128,15 +118,8 @@ def state_passing_kernel(
         else:
             i_n = i
         o_t = i_n * BT + o_i  # int32 is enough: T < 2^31; products with i_b are int64
-        m_t = o_t < T
         # p_n: exp of the chunk's total decay, 0 if the chunk contains a start
-        if HAS_G:
-            b_p = tl.exp(tl.sum(tl.load(g + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0), 0))
-        else:
-            b_p = 1.0
-        if HAS_R:
-            n_starts = tl.sum(tl.load(r + i_b * T + o_t, mask=m_t, other=0), 0)
-            b_p = tl.where(n_starts == 0, b_p, 0.0)
+        _, _, b_p, _ = in_chunk_decay(g, r, i_b, i_h, o_t, T, H, BT, HAS_G, HAS_R)
         p_s = hs + (i_bh * N + i_n) * DX * DY + o_xy
         b_s = tl.load(p_s, mask=m_xy, other=0.0)
         tl.store(p_s, b_h, mask=m_xy)
@@ -176,19 +159,7 @@ def chunk_fwd_o_kernel(
     m_t = o_t < T
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    m_causal = o_i[:, None] >= o_i[None, :]
-    if HAS_G:
-        b_b = tl.cumsum(tl.load(g + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0), 0)
-    else:
-        b_b = tl.zeros([BT], dtype=tl.float32)
-    b_wc = tl.exp(b_b)  # [BT]
-    m_D = m_causal
-    if HAS_R:
-        b_c = tl.cumsum(tl.load(r + i_b * T + o_t, mask=m_t, other=0), 0)
-        b_wc = tl.where(b_c == 0, b_wc, 0.0)
-        m_D = m_D & (b_c[:, None] == b_c[None, :])
-    # b_D: [BT, BT]; exp only of masked-in (non-positive) differences
-    b_D = tl.exp(tl.where(m_D, b_b[:, None] - b_b[None, :], float("-inf")))
+    b_wc, _, _, b_D = in_chunk_decay(g, r, i_b, i_h, o_t, T, H, BT, HAS_G, HAS_R)
 
     b_A = tl.zeros([BT, BT], dtype=tl.float32)
     b_o = tl.zeros([BT, BV], dtype=tl.float32)

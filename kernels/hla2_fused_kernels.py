@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import triton.language as tl
 
+from ._decay import in_chunk_decay
 from ._jit import lazy_jit
 
 
@@ -49,7 +50,6 @@ def fused_hla2_fwd_kernel(
     m_k, m_v = o_k < K, o_v < V
     m_kk = m_k[:, None] & m_k[None, :]
     m_kv = m_k[:, None] & m_v[None, :]
-    m_causal = o_i[:, None] >= o_i[None, :]
     # b_S: [BK, BK], b_H: [BK, BV], both fp32
     if HAS_S0:
         b_S = tl.load(S0 + (i_bh * K + o_k[:, None]) * K + o_k[None, :], mask=m_kk, other=0.0)
@@ -62,23 +62,7 @@ def fused_hla2_fwd_kernel(
     for i_n in range(N):
         o_t = i_n * BT + o_i
         m_t = o_t < T
-        if HAS_G:
-            b_b = tl.cumsum(tl.load(g + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0), 0)
-        else:
-            b_b = tl.zeros([BT], dtype=tl.float32)
-        b_bC = tl.sum(tl.where(o_i == BT - 1, b_b, 0.0), 0)
-        b_wc = tl.exp(b_b)
-        b_ws = tl.exp(b_bC - b_b)
-        b_p = tl.exp(b_bC)
-        m_D = m_causal
-        if HAS_R:
-            b_c = tl.cumsum(tl.load(r + i_b * T + o_t, mask=m_t, other=0), 0)
-            b_cC = tl.sum(tl.where(o_i == BT - 1, b_c, 0), 0)
-            b_wc = tl.where(b_c == 0, b_wc, 0.0)
-            b_ws = tl.where(b_c == b_cC, b_ws, 0.0)
-            b_p = tl.where(b_cC == 0, b_p, 0.0)
-            m_D = m_D & (b_c[:, None] == b_c[None, :])
-        b_D = tl.exp(tl.where(m_D, b_b[:, None] - b_b[None, :], float("-inf")))  # [BT, BT]
+        b_wc, b_ws, b_p, b_D = in_chunk_decay(g, r, i_b, i_h, o_t, T, H, BT, HAS_G, HAS_R)
 
         p_qk = ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :]  # [BT, BK]
         b_q = tl.load(q + p_qk, mask=m_t[:, None] & m_k[None, :], other=0.0)
@@ -145,21 +129,7 @@ def hla2_state_kernel(
     m_x = o_x < K
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    m_D = o_i[:, None] >= o_i[None, :]
-    if HAS_G:
-        b_b = tl.cumsum(tl.load(g + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0), 0)
-    else:
-        b_b = tl.zeros([BT], dtype=tl.float32)
-    b_bC = tl.sum(tl.where(o_i == BT - 1, b_b, 0.0), 0)
-    b_wc = tl.exp(b_b)
-    b_ws = tl.exp(b_bC - b_b)
-    if HAS_R:
-        b_c = tl.cumsum(tl.load(r + i_b * T + o_t, mask=m_t, other=0), 0)
-        b_cC = tl.sum(tl.where(o_i == BT - 1, b_c, 0), 0)
-        b_wc = tl.where(b_c == 0, b_wc, 0.0)
-        b_ws = tl.where(b_c == b_cC, b_ws, 0.0)
-        m_D = m_D & (b_c[:, None] == b_c[None, :])
-    b_D = tl.exp(tl.where(m_D, b_b[:, None] - b_b[None, :], float("-inf")))  # [BT, BT]
+    b_wc, b_ws, _, b_D = in_chunk_decay(g, r, i_b, i_h, o_t, T, H, BT, HAS_G, HAS_R)
 
     # b_A: (q k^T) over all of K; b_qS: (q S_in)[:, x]
     b_A = tl.zeros([BT, BT], dtype=tl.float32)
@@ -225,17 +195,7 @@ def hla2_fwd_o_kernel(
     m_t = o_t < T
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    m_D = o_i[:, None] >= o_i[None, :]
-    if HAS_G:
-        b_b = tl.cumsum(tl.load(g + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0), 0)
-    else:
-        b_b = tl.zeros([BT], dtype=tl.float32)
-    b_wc = tl.exp(b_b)
-    if HAS_R:
-        b_c = tl.cumsum(tl.load(r + i_b * T + o_t, mask=m_t, other=0), 0)
-        b_wc = tl.where(b_c == 0, b_wc, 0.0)
-        m_D = m_D & (b_c[:, None] == b_c[None, :])
-    b_D = tl.exp(tl.where(m_D, b_b[:, None] - b_b[None, :], float("-inf")))  # [BT, BT]
+    b_wc, _, _, b_D = in_chunk_decay(g, r, i_b, i_h, o_t, T, H, BT, HAS_G, HAS_R)
 
     NK = tl.cdiv(K, BK)
     b_A = tl.zeros([BT, BT], dtype=tl.float32)  # q k^T
