@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import glob
+import json
 import os
 import random
 import shutil
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 LATEST = "latest_checkpointed_iteration.txt"
+CONFIG = "config.json"
 
 
 class CheckpointError(RuntimeError):
@@ -152,8 +154,14 @@ def save(
     scheduler: Any,
     consumed_samples: int,
     config: dict[str, Any],
+    extra: dict[str, Any] | None = None,
 ) -> str:
-    """Write a checkpoint collectively (every rank calls it); return its directory."""
+    """Write a checkpoint collectively (every rank calls it); return its directory.
+
+    ``extra`` (fp32 master weights, the loss scaler) goes into the model file as well.
+    The config is also written as ``config.json``, which ``--load`` compares with the
+    new run's flags before any process group exists (without reading the weights).
+    """
     final = iter_dir(root, iteration)
     tmp = final + ".tmp"
     if rank == 0:
@@ -171,8 +179,13 @@ def save(
                 "consumed_samples": consumed_samples,
                 "world_size": world_size,
                 "config": config,
+                **(extra or {}),
             },
             os.path.join(tmp, f"model_optim_tp{tp_rank:02d}.pt"),
+        )
+    if rank == 0:
+        _atomic_write_bytes(
+            os.path.join(tmp, CONFIG), json.dumps(config, indent=1, sort_keys=True).encode()
         )
     _atomic_torch_save(
         {"rng": rng_state(), "world_size": world_size},
@@ -205,6 +218,44 @@ def latest_iteration(root: str) -> int | None:
             f"delete the file"
         )
     return int(text)
+
+
+def resume_iteration(load: str | None, step: int | None) -> int | None:
+    """The iteration ``--load`` resumes from: ``step`` when given, else the latest
+    complete checkpoint; None when there is nothing to resume (no --load, a missing or
+    empty directory), which starts the run fresh as Megatron does."""
+    if load is None:
+        return None
+    if step is not None:
+        return step
+    if not os.path.isdir(load):
+        return None
+    return latest_iteration(load)
+
+
+def saved_config(root: str, iteration: int) -> dict[str, Any] | None:
+    """The trainer config a checkpoint was written with: its ``config.json``, else (older
+    checkpoints) the ``config`` entry of the model file, memory-mapped; None if absent."""
+    d = iter_dir(root, iteration)
+    if not os.path.isdir(d):
+        raise CheckpointError(f"no complete checkpoint {d} (iteration {iteration})")
+    path = os.path.join(d, CONFIG)
+    if os.path.isfile(path):
+        try:
+            with open(path) as f:
+                out = json.load(f)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{path}: cannot read the run's config ({e})") from e
+        return out if isinstance(out, dict) else None
+    model_file = os.path.join(d, "model_optim_tp00.pt")
+    if not os.path.isfile(model_file):
+        return None
+    try:
+        state = torch.load(model_file, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
+        return None  # the load itself reports a broken file, naming it
+    cfg = state.get("config") if isinstance(state, dict) else None
+    return cfg if isinstance(cfg, dict) else None
 
 
 def load(
@@ -261,4 +312,7 @@ def load(
         if "rng" not in rng:
             raise CheckpointError(f"{rng_path}: no 'rng' entry (keys {sorted(rng)})")
         set_rng_state(rng["rng"])
-    return {"iteration": state["iteration"], "consumed_samples": state["consumed_samples"]}
+    known = {"model", "optimizer", "scheduler", "iteration", "consumed_samples", "world_size",
+             "config"}
+    return {"iteration": state["iteration"], "consumed_samples": state["consumed_samples"],
+            "extra": {k: v for k, v in state.items() if k not in known}}

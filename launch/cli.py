@@ -15,7 +15,8 @@ import argparse
 import os
 import sys
 
-from hla_sp.launch.config import ConfigError, parse_args, validate
+from hla_sp.launch.config import ConfigError, build_parser, parse_args, validate
+from hla_sp.launch.extras import require
 from hla_sp.launch.local import MALLOC_MMAP_THRESHOLD
 
 
@@ -64,13 +65,8 @@ def _check_launch(launch: argparse.Namespace) -> int:
     return nnodes
 
 
-def _train(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(
-        prog="hla-sp train",
-        description="Start torchrun running hla_sp.launch.train; other flags go to the trainer "
-        "(see `python -m hla_sp.launch.train --help`).",
-        allow_abbrev=False,
-    )
+def _launcher_flags(ap: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The flags ``hla-sp train`` keeps for torchrun; the rest go to the trainer."""
     ap.add_argument("--nproc-per-node", type=int, default=1, help="Processes on this node.")
     ap.add_argument("--nnodes", default="1", help="Nodes (or MIN:MAX), as torchrun takes it.")
     ap.add_argument("--node-rank", type=int, default=None, help="This node's rank (optional).")
@@ -79,10 +75,31 @@ def _train(argv: list[str]) -> int:
     ap.add_argument("--rdzv-id", default="hla-sp", help="Job id shared by all nodes.")
     ap.add_argument("--max-restarts", type=int, default=0, help="torchrun worker-group restarts.")
     ap.add_argument("--dry-run", action="store_true", help="Print the torchrun command only.")
+
+
+def train_help() -> str:
+    """``hla-sp train --help``: the launcher's flags, then every trainer flag."""
+    p = build_parser(prog="hla-sp train")
+    p.description = (
+        "Check the flags against the world about to start, then run torchrun with "
+        "hla_sp.launch.train on this node. The launcher flags go to torchrun; every other "
+        "flag goes to the trainer."
+    )
+    _launcher_flags(p.add_argument_group("launcher (torchrun)"))
+    return p.format_help()
+
+
+def _train(argv: list[str]) -> int:
+    if "-h" in argv or "--help" in argv:
+        print(train_help())
+        return 0
+    ap = argparse.ArgumentParser(prog="hla-sp train", allow_abbrev=False, add_help=False)
+    _launcher_flags(ap)
     launch, rest = ap.parse_known_args(argv)
     if rest[:1] == ["--"]:
         rest = rest[1:]
     try:
+        require("megatron", "hla-sp train")  # one line here, not a traceback per rank
         nnodes = _check_launch(launch)
         validate(parse_args(rest), launch.nproc_per_node * nnodes)
         cmd = torchrun_command(launch, rest)
@@ -109,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "train":
         return _train(rest)
     if cmd == "sweep":
-        from hla_sp.launch.ray_sweep import main as sweep_main
+        from hla_sp.launch.ray_sweep import main as sweep_main  # imports Ray lazily
 
         return sweep_main(rest)
     if cmd == "make-dataset":

@@ -49,9 +49,13 @@ class TrainConfig:
     max_position_embeddings: int | None = None
     """Size of the learned position table (default: seq-length)."""
     position_embedding_type: str = "learned_absolute"
-    """learned_absolute or none. RoPE needs CUDA in megatron-core, so it is not offered;
-    HLA with decay needs no positions, and none saves seq-length x hidden parameters
-    at long context."""
+    """learned_absolute, rope or none. rope needs CUDA (megatron-core's rotary embedding
+    runs on the current CUDA device) and is refused on CPU; HLA with decay needs no
+    positions, and none saves seq-length x hidden parameters at long context."""
+    rotary_base: int = 10000
+    """Base of the rotary embedding's frequencies (--position-embedding-type rope)."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's dimensions that RoPE rotates."""
     vocab_size: int | None = None
     """Vocabulary size before padding (default: 257 byte-level tokens for the built-in
     data, else the largest token id in --data-path plus one)."""
@@ -96,6 +100,24 @@ class TrainConfig:
     seed: int = 1234
     """Seed for initialisation, dropout and data order."""
 
+    # --- precision (Megatron's mixed precision: fp32 master weights and grads) -----
+    bf16: bool = False
+    """Run the model in bfloat16; the optimizer keeps fp32 master weights and
+    gradients are accumulated, reduced and clipped in fp32 (Megatron's --bf16)."""
+    fp16: bool = False
+    """Run the model in float16 with fp32 master weights and a loss scale (dynamic
+    unless --loss-scale is set); steps whose gradients overflow are skipped."""
+    loss_scale: float | None = None
+    """With --fp16: a static loss scale (default: dynamic)."""
+    initial_loss_scale: float = 2.0**32
+    """With --fp16: the dynamic loss scale's initial value."""
+    min_loss_scale: float = 1.0
+    """With --fp16: the dynamic loss scale never goes below this."""
+    loss_scale_window: int = 1000
+    """With --fp16: steps without overflow before the dynamic scale doubles."""
+    hysteresis: int = 2
+    """With --fp16: overflowing steps tolerated before the dynamic scale halves."""
+
     # --- parallelism -------------------------------------------------------------
     context_parallel_size: int = 1
     """Ranks that share one sequence (HLA's exact scan runs across them)."""
@@ -119,6 +141,16 @@ class TrainConfig:
     """Prefixes of Megatron indexed datasets (PREFIX.bin and PREFIX.idx), concatenated."""
     recall_pairs: int = 8
     """Key-value pairs per sample for --data synthetic-recall."""
+    split: str = "969,30,1"
+    """Train, validation and test weights of the data (Megatron's --split): the first
+    share of the samples trains, the next is the held-out validation set."""
+
+    # --- evaluation --------------------------------------------------------------
+    eval_interval: int | None = None
+    """Compute the validation loss every this many iterations and at the end (default:
+    never)."""
+    eval_iters: int = 10
+    """Global batches of the validation split per evaluation (the same ones each time)."""
 
     # --- checkpoints -------------------------------------------------------------
     save: str | None = None
@@ -136,7 +168,9 @@ class TrainConfig:
     log_interval: int = 1
     """Print a progress line every this many iterations (rank 0)."""
     log_jsonl: str | None = None
-    """Append one JSON object per iteration to this file (rank 0)."""
+    """Append one JSON object per iteration to this file (rank 0); a line with "event":
+    "start" marks where each run (or resumed run) begins. At the end of the run a plot of
+    loss and throughput goes next to it (same name, .png; needs matplotlib)."""
 
     # --- attention (filled from hla_sp.megatron_patch.add_hla_args) --------------
     hla: dict[str, Any] = field(default_factory=dict)
@@ -163,7 +197,7 @@ class TrainConfig:
 
 
 _CHOICES = {
-    "position_embedding_type": ["learned_absolute", "none"],
+    "position_embedding_type": ["learned_absolute", "rope", "none"],
     "lr_decay_style": ["cosine", "linear", "constant"],
     "recompute_granularity": ["full", "selective"],
     "data": ["text", "synthetic-recall"],
@@ -293,6 +327,15 @@ _RANGES: dict[str, tuple[str, float | None, float | None, str]] = {
     "tensor_model_parallel_size": ("[", 1, None, "]"),
     "distributed_timeout_minutes": ("(", 0, None, "]"),
     "ckpt_step": ("[", 0, None, "]"),
+    "rotary_base": ("[", 1, None, "]"),
+    "rotary_percent": ("(", 0, 1, "]"),
+    "loss_scale": ("(", 0, None, "]"),
+    "initial_loss_scale": ("(", 0, None, "]"),
+    "min_loss_scale": ("(", 0, None, "]"),
+    "loss_scale_window": ("[", 1, None, "]"),
+    "hysteresis": ("[", 1, None, "]"),
+    "eval_interval": ("[", 1, None, "]"),
+    "eval_iters": ("[", 1, None, "]"),
 }
 
 
@@ -370,6 +413,15 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             f"--global-batch-size {gbs} must be a multiple of --micro-batch-size "
             f"{cfg.micro_batch_size} x data-parallel size {dp} = {cfg.micro_batch_size * dp}."
         )
+    if cfg.bf16 and cfg.fp16:
+        raise ConfigError("--bf16 and --fp16 exclude each other; pass one of them.")
+    if cfg.position_embedding_type == "rope" and not _cuda_available():
+        raise ConfigError(
+            "--position-embedding-type rope: megatron-core's rotary embedding runs on the "
+            "current CUDA device, and this machine has none; on CPU use learned_absolute "
+            "(the default) or none."
+        )
+    split_weights(cfg.split)
     if cfg.position_embedding_type == "learned_absolute":
         mpe = cfg.max_position_embeddings or cfg.seq_length
         if mpe < cfg.seq_length:
@@ -426,21 +478,91 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         msg = recall_layout_error(cfg.seq_length, cp, cfg.recall_pairs)
         if msg:
             raise ConfigError(msg)
-    if cfg.load is not None and not os.path.isdir(cfg.load):
-        raise ConfigError(
-            f"--load {cfg.load}: no such directory. Point it at a --save directory of an "
-            f"earlier run, or drop --load to start fresh."
-        )
-    if cfg.load is not None and cfg.ckpt_step is None:
-        from hla_sp.launch.checkpoint import CheckpointError, latest_iteration
-
-        try:
-            latest_iteration(cfg.load)  # a garbage `latest` file fails here, not at step 0
-        except CheckpointError as e:
-            raise ConfigError(f"--load {cfg.load}: {e}") from None
+    if cfg.load is not None:
+        _check_load(cfg)
     for name in ("save_interval", "exit_interval", "log_interval"):
         v = getattr(cfg, name)
         if v is not None and v < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     if cfg.distributed_timeout_minutes <= 0:
         raise ConfigError("--distributed-timeout-minutes must be > 0")
+
+
+def split_weights(split: str) -> tuple[float, float, float]:
+    """Megatron's ``--split`` ("969,30,1", "90,10" or "100") as fractions summing to 1."""
+    try:
+        parts = [float(x) for x in split.replace("/", ",").split(",")]
+    except ValueError:
+        parts = []
+    if not 1 <= len(parts) <= 3 or any(not x >= 0 for x in parts) or sum(parts) <= 0:
+        raise ConfigError(
+            f"--split: expected up to three weights train,valid,test such as 969,30,1, "
+            f"got {split!r}"
+        )
+    parts += [0.0] * (3 - len(parts))
+    total = sum(parts)
+    return parts[0] / total, parts[1] / total, parts[2] / total
+
+
+# The flags that shape the model's parameters or their files: a checkpoint written with
+# other values cannot be loaded (a size mismatch in load_state_dict on every rank).
+# chunk size and the exchange method change no parameter, so they may differ.
+MODEL_FLAGS = (
+    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+    "position_embedding_type", "max_position_embeddings", "vocab_size",
+    "make_vocab_size_divisible_by", "tensor_model_parallel_size", "bf16", "fp16",
+)
+_FREE_HLA = ("hla_chunk_size", "hla_sp_method")
+
+
+def _model_shape(d: dict[str, Any]) -> dict[str, Any]:
+    """The values of :data:`MODEL_FLAGS` and the HLA options of a config dict; the
+    position table's size as it is built (it defaults to --seq-length)."""
+    out = {k: d.get(k) for k in MODEL_FLAGS if k in d}
+    if d.get("position_embedding_type") == "learned_absolute":
+        out["max_position_embeddings"] = d.get("max_position_embeddings") or d.get("seq_length")
+    for k, v in (d.get("hla") or {}).items():
+        if k not in _FREE_HLA:
+            out[k] = v
+    return out
+
+
+def config_diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """``--flag SAVED (checkpoint) != NOW (this run)`` for every model flag that differs;
+    flags the checkpoint does not record (older versions) are not compared."""
+    a, b = _model_shape(saved), _model_shape(now)
+    out = []
+    for k in b:
+        if k in a and a[k] != b[k]:
+            flag = "--" + k.replace("_", "-")
+            out.append(f"{flag} {a[k]} (checkpoint) != {b[k]} (this run)")
+    return out
+
+
+def _check_load(cfg: TrainConfig) -> None:
+    """--load as Megatron reads it: a missing or empty directory starts fresh (the
+    trainer says so), a checkpoint of another model is refused with the flags that differ."""
+    from hla_sp.launch.checkpoint import CheckpointError, latest_iteration, saved_config
+
+    load = cfg.load
+    assert load is not None
+    if cfg.ckpt_step is not None and not os.path.isdir(load):
+        raise ConfigError(f"--load {load} --ckpt-step {cfg.ckpt_step}: no such directory.")
+    if not os.path.isdir(load):
+        return  # nothing to resume: a fresh start, as in Megatron
+    try:
+        it = latest_iteration(load) if cfg.ckpt_step is None else cfg.ckpt_step
+        if it is None:
+            return
+        saved = saved_config(load, it)
+    except CheckpointError as e:
+        raise ConfigError(f"--load {load}: {e}") from None
+    if saved is None:
+        return
+    diff = config_diff(saved, cfg.to_dict())
+    if diff:
+        raise ConfigError(
+            f"--load {load}: the checkpoint at iteration {it} holds another model: "
+            + "; ".join(diff)
+            + ". Pass the checkpoint's values, or --save to a new directory without --load."
+        )

@@ -10,6 +10,7 @@ Tokens are byte-level for the built-in sources: ids 0..255 are bytes and
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 import sysconfig
@@ -39,6 +40,7 @@ def stdlib_files() -> list[str]:
     return out
 
 
+@functools.lru_cache(maxsize=2)  # the train and the validation split read it once
 def builtin_text_tokens(min_tokens: int, budget: int = 8 << 20) -> np.ndarray:
     """Byte tokens of standard-library sources, documents separated by EOD.
 
@@ -199,17 +201,48 @@ class Sample:
     loss_mask: torch.Tensor
 
 
-class TextSamples:
-    """Non-overlapping windows of ``seq_length + 1`` tokens, shuffled per epoch."""
+def split_windows(n: int, weights: tuple[float, float, float]) -> tuple[range, range]:
+    """The train and validation windows of ``n`` by Megatron's ``--split`` fractions:
+    contiguous blocks, train first. A validation weight > 0 gets at least one window
+    when there are two or more, so that evaluation always has held-out data."""
+    n_train = round(weights[0] * n)
+    n_valid = round(weights[1] * n)
+    if weights[1] > 0 and n_valid == 0 and n >= 2:
+        n_valid = 1
+    n_train = min(n_train, n - n_valid)
+    return range(0, n_train), range(n_train, n_train + n_valid)
 
-    def __init__(self, stream: IndexedTokens | ArrayTokens, seq_length: int, seed: int):
+
+class TextSamples:
+    """Non-overlapping windows of ``seq_length + 1`` tokens, shuffled per epoch.
+
+    ``part`` picks the block of windows of Megatron's ``--split``: "train" (the first)
+    or "valid" (the next, held out from training).
+    """
+
+    def __init__(
+        self,
+        stream: IndexedTokens | ArrayTokens,
+        seq_length: int,
+        seed: int,
+        split: tuple[float, float, float] = (1.0, 0.0, 0.0),
+        part: str = "train",
+    ):
         self.stream, self.seq_length, self.seed = stream, seq_length, seed
-        self.num_windows = (len(stream) - 1) // seq_length
-        if self.num_windows < 1:
+        total = (len(stream) - 1) // seq_length
+        if total < 1:
             raise ValueError(
                 f"the data has {len(stream)} tokens, fewer than one sample of --seq-length "
                 f"{seq_length} + 1; use more data or a shorter --seq-length"
             )
+        train, valid = split_windows(total, split)
+        windows = train if part == "train" else valid
+        if len(windows) < 1:
+            raise ValueError(
+                f"--split {split}: the {part} split of {total} samples of --seq-length "
+                f"{seq_length} is empty; give it a larger weight, or use more data"
+            )
+        self.first, self.num_windows = windows.start, len(windows)
         self._perm_epoch = -1
         self._perm = np.zeros(0, np.int64)
 
@@ -218,7 +251,7 @@ class TextSamples:
         if epoch != self._perm_epoch:
             self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
             self._perm_epoch = epoch
-        w = int(self._perm[i])
+        w = self.first + int(self._perm[i])
         x = torch.from_numpy(self.stream.read(w * self.seq_length, self.seq_length + 1))
         return Sample(x[:-1].clone(), x[1:].clone(), torch.ones(self.seq_length))
 
@@ -256,12 +289,13 @@ class RecallSamples:
     from the start of the sequence (rank 0) to reach the query (another rank under CP).
     """
 
-    def __init__(self, seq_length: int, pairs: int, seed: int):
+    def __init__(self, seq_length: int, pairs: int, seed: int, part: str = "train"):
         self.seq_length, self.pairs, self.seed = seq_length, pairs, seed
+        self._stream = 7 if part == "train" else 8  # held-out samples: another RNG stream
 
     def __getitem__(self, index: int) -> Sample:
         T, n = self.seq_length, self.pairs
-        rng = np.random.default_rng([self.seed, 7, index])
+        rng = np.random.default_rng([self.seed, self._stream, index])
         x = rng.integers(*_FILLER, size=T + 1)
         keys = rng.choice(np.arange(*_KEYS), size=n, replace=False)
         vals = rng.integers(*_VALUES, size=n)
@@ -276,15 +310,22 @@ class RecallSamples:
 
 
 def build_samples(
-    data: str, data_path: list[str] | None, seq_length: int, seed: int, recall_pairs: int
+    data: str,
+    data_path: list[str] | None,
+    seq_length: int,
+    seed: int,
+    recall_pairs: int,
+    split: tuple[float, float, float] = (1.0, 0.0, 0.0),
+    part: str = "train",
 ) -> TextSamples | RecallSamples:
-    """The sample source a config names."""
+    """The sample source a config names; ``part`` "train" or "valid" of ``split``."""
     if data == "synthetic-recall":
-        return RecallSamples(seq_length, recall_pairs, seed)
+        return RecallSamples(seq_length, recall_pairs, seed, part)
     if data_path:
-        return TextSamples(IndexedTokens(data_path), seq_length, seed)
+        return TextSamples(IndexedTokens(data_path), seq_length, seed, split, part)
     # enough for 8 samples even at million-token lengths
-    return TextSamples(ArrayTokens(builtin_text_tokens(8 * (seq_length + 1))), seq_length, seed)
+    tokens = builtin_text_tokens(8 * (seq_length + 1))
+    return TextSamples(ArrayTokens(tokens), seq_length, seed, split, part)
 
 
 def infer_vocab_size(data: str, data_path: list[str] | None) -> int:

@@ -38,11 +38,14 @@ class LocalRun:
         return [r["loss"] for r in self.records]
 
 
-def read_jsonl(path: str) -> list[dict[str, Any]]:
+def read_jsonl(path: str, events: bool = False) -> list[dict[str, Any]]:
+    """The lines of a trainer JSONL in order; without ``events`` the start markers
+    (``{"event": "start"}``) are left out, so that only iteration records remain."""
     if not os.path.isfile(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        rows = [json.loads(line) for line in f if line.strip()]
+    return rows if events else [r for r in rows if "event" not in r]
 
 
 def _env(extra: dict[str, str] | None) -> dict[str, str]:

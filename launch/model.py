@@ -42,6 +42,11 @@ def layer_spec(cfg: TrainConfig) -> Any:
     return hybrid_block_spec(pattern, spec, get_gpt_layer_local_spec())
 
 
+def model_dtype(cfg: TrainConfig) -> torch.dtype:
+    """The dtype of the model's weights and activations (--bf16, --fp16, else fp32)."""
+    return torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32
+
+
 def transformer_config(cfg: TrainConfig) -> Any:
     """megatron-core's TransformerConfig for this run."""
     from megatron.core.transformer import TransformerConfig
@@ -58,7 +63,10 @@ def transformer_config(cfg: TrainConfig) -> Any:
         tensor_model_parallel_size=cfg.tensor_model_parallel_size,
         context_parallel_size=cfg.context_parallel_size,
         use_cpu_initialization=True,
-        params_dtype=torch.float32,
+        # --bf16/--fp16: the model's own weights are half; the trainer keeps fp32 masters
+        params_dtype=model_dtype(cfg),
+        bf16=cfg.bf16,
+        fp16=cfg.fp16,
         # fusions need apex/TE or CUDA; the unfused paths are exact and portable
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
@@ -123,6 +131,8 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
         ),
         max_sequence_length=cfg.max_position_embeddings or cfg.seq_length,
         position_embedding_type=cfg.position_embedding_type,
+        rotary_percent=cfg.rotary_percent,
+        rotary_base=cfg.rotary_base,
         share_embeddings_and_output_weights=True,
     )
     granularity = cfg.recompute_granularity or ("selective" if cfg.recompute_activations else None)

@@ -36,19 +36,21 @@ from hla_sp.launch.config import (  # noqa: E402
     ConfigError,
     TrainConfig,
     parse_args,
+    split_weights,
     validate,
     world_size_from_env,
 )
 from hla_sp.launch.data import build_samples, infer_vocab_size, microbatches  # noqa: E402
 from hla_sp.launch.distributed import Topology, init_distributed, shutdown  # noqa: E402
+from hla_sp.launch.precision import LossScaler, MasterWeights  # noqa: E402
 
 
-def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """No weight decay on biases and norm weights (1-D), as Megatron does."""
+def _param_groups(masters: MasterWeights, weight_decay: float) -> list[dict[str, Any]]:
+    """No weight decay on biases and norm weights (1-D), as Megatron does; the groups
+    hold the fp32 masters (the model's own parameters in an fp32 run)."""
     decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (no_decay if p.ndim < 2 else decay).append(p)
+    for p, m in zip(masters.params, masters.main):
+        (no_decay if p.ndim < 2 else decay).append(m)
     return [
         {"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0},
         {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0},
@@ -59,7 +61,7 @@ class Trainer:
     """Model, optimizer, scheduler, data and the step; built inside a process group."""
 
     def __init__(self, cfg: TrainConfig, topo: Topology):
-        from hla_sp.launch.model import build_model
+        from hla_sp.launch.model import build_model, model_dtype
         from megatron.core import parallel_state as ps
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -67,16 +69,30 @@ class Trainer:
         self.dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.global_batch = cfg.global_batch_size or cfg.micro_batch_size * topo.dp
+        split = split_weights(cfg.split)
         self.samples = build_samples(
-            cfg.data, cfg.data_path, cfg.seq_length, cfg.seed, cfg.recall_pairs
+            cfg.data, cfg.data_path, cfg.seq_length, cfg.seed, cfg.recall_pairs, split
+        )
+        # the held-out split, read only when --eval-interval asks for validation
+        self.valid_samples = (
+            build_samples(cfg.data, cfg.data_path, cfg.seq_length, cfg.seed,
+                          cfg.recall_pairs, split, part="valid")
+            if cfg.eval_interval else None
         )
         vocab = cfg.vocab_size or infer_vocab_size(cfg.data, cfg.data_path)
         # identical initial weights on every rank: Megatron's CPU init draws the whole
         # matrix from the default generator, then keeps this TP rank's slice
         torch.manual_seed(cfg.seed)
-        self.model = build_model(cfg, vocab).to(topo.device)
+        # --bf16/--fp16: every floating weight half, norms too (Megatron's Float16Module)
+        self.model = build_model(cfg, vocab).to(device=topo.device, dtype=model_dtype(cfg))
+        self.masters = MasterWeights(self.model)
+        self.scaler = (
+            LossScaler(cfg.loss_scale, cfg.initial_loss_scale, cfg.min_loss_scale,
+                       cfg.loss_scale_window, cfg.hysteresis)
+            if cfg.fp16 else None
+        )
         self.optimizer = torch.optim.AdamW(
-            _param_groups(self.model, cfg.weight_decay),
+            _param_groups(self.masters, cfg.weight_decay),
             lr=cfg.lr,
             betas=(cfg.adam_beta1, cfg.adam_beta2),
             eps=cfg.adam_eps,
@@ -99,7 +115,8 @@ class Trainer:
         self.consumed_samples = 0
         # training-time randomness (dropout) starts from a known state on every rank
         torch.manual_seed(cfg.seed + 1)
-        if cfg.load:
+        self.resumed_from = checkpoint.resume_iteration(cfg.load, cfg.ckpt_step)
+        if self.resumed_from is not None:
             pos = checkpoint.load(
                 cfg.load,
                 rank=topo.rank,
@@ -108,9 +125,12 @@ class Trainer:
                 model=self.model,
                 optimizer=self.optimizer,
                 scheduler=self.scheduler,
-                step=cfg.ckpt_step,
+                step=self.resumed_from,
             )
             self.iteration, self.consumed_samples = pos["iteration"], pos["consumed_samples"]
+            self.masters.load_state_dict(pos["extra"])
+            if self.scaler is not None and "loss_scaler" in pos["extra"]:
+                self.scaler.load_state_dict(pos["extra"]["loss_scaler"])
         self.rss_before_train = metrics.current_rss_bytes()
 
     # -- one optimizer step ---------------------------------------------------------
@@ -121,32 +141,58 @@ class Trainer:
         return get_batch_on_this_cp_rank(batch)
 
     def _all_reduce_grads(self) -> None:
+        """Sum the (fp32) gradients over the data-and-context-parallel group."""
         if dist.get_world_size(self.dp_cp_group) == 1:
             return
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        grads = self.masters.grads()
         flat = torch._utils._flatten_dense_tensors(grads)
         dist.all_reduce(flat, group=self.dp_cp_group)
-        for p, g in zip(params, torch._utils._unflatten_dense_tensors(flat, grads)):
-            p.grad = g
+        for g, r in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            g.copy_(r)
 
     def _clip(self) -> float:
         """Clip by the global L2 norm; TP-duplicated parameters are counted once."""
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
         sq = torch.zeros((), dtype=torch.float32, device=self.topo.device)
-        for p in self.model.parameters():
-            if p.grad is not None and param_is_not_tensor_parallel_duplicate(p):
-                sq += p.grad.float().pow(2).sum()
+        pairs = list(zip(self.masters.params, self.masters.main))
+        for p, m in pairs:
+            if m.grad is not None and param_is_not_tensor_parallel_duplicate(p):
+                sq += m.grad.float().pow(2).sum()
         if self.topo.tp > 1:
             dist.all_reduce(sq, group=self.tp_group)
         norm = float(sq.sqrt())
         if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
             scale = self.cfg.clip_grad / (norm + 1e-6)
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
+            for _, m in pairs:
+                if m.grad is not None:
+                    m.grad.mul_(scale)
         return norm
+
+    def _batches(self, samples: Any, consumed: int) -> list[dict[str, torch.Tensor]]:
+        """This rank's CP share of its microbatches of the global batch at ``consumed``."""
+        return [
+            self._cp_slice(b)
+            for b in microbatches(samples, consumed, self.global_batch,
+                                  self.cfg.micro_batch_size, self.topo.dp_rank, self.topo.dp)
+        ]
+
+    def evaluate(self) -> float:
+        """Token-mean loss over --eval-iters global batches of the held-out split (the
+        same batches at every evaluation, so the values form a curve)."""
+        assert self.valid_samples is not None
+        self.model.eval()
+        total = torch.zeros(2, dtype=torch.float64, device=self.topo.device)
+        with torch.no_grad():
+            for i in range(self.cfg.eval_iters):
+                for b in self._batches(self.valid_samples, i * self.global_batch):
+                    per_token = self.model(b["tokens"], b["position_ids"], None,
+                                           labels=b["labels"])
+                    total[0] += (per_token.float() * b["loss_mask"]).sum().double()
+                    total[1] += b["loss_mask"].sum().double()
+        dist.all_reduce(total, group=self.dp_cp_group)
+        self.model.train()
+        return float(total[0] / total[1].clamp(min=1.0))
 
     def step(self) -> dict[str, Any]:
         """Train one global batch; return the iteration's record (loss reduced globally)."""
@@ -154,36 +200,36 @@ class Trainer:
         faults.maybe_inject(topo.rank, self.iteration + 1)
         t0 = time.perf_counter()
         self.model.train()
-        batches = [
-            self._cp_slice(b)
-            for b in microbatches(
-                self.samples,
-                self.consumed_samples,
-                self.global_batch,
-                cfg.micro_batch_size,
-                topo.dp_rank,
-                topo.dp,
-            )
-        ]
+        batches = self._batches(self.samples, self.consumed_samples)
         # the denominator of the token mean over the whole global batch
         count = torch.stack([b["loss_mask"].sum() for b in batches]).sum().reshape(1).double()
         dist.all_reduce(count, group=self.dp_cp_group)
         total_tokens = float(count.item())
-        self.optimizer.zero_grad(set_to_none=True)
+        self.masters.zero_grad()
+        scale = self.scaler.scale if self.scaler is not None else 1.0
         loss_sum = torch.zeros(1, dtype=torch.float64, device=topo.device)
         for b in batches:
             per_token = self.model(
                 b["tokens"], b["position_ids"], None, labels=b["labels"]
             )  # [b, s_local]
             local = (per_token.float() * b["loss_mask"]).sum()
-            (local / max(total_tokens, 1.0)).backward()
+            (local * (scale / max(total_tokens, 1.0))).backward()
+            self.masters.accumulate()  # half grads into fp32 ones, microbatch by microbatch
             loss_sum += local.detach().double()
         self._all_reduce_grads()
         dist.all_reduce(loss_sum, group=self.dp_cp_group)
-        grad_norm = self._clip()
+        skipped = False
+        if self.scaler is not None:
+            skipped = self.masters.unscale_and_check(scale)
+            self.scaler.update(skipped)
         lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step used
-        self.optimizer.step()
-        self.scheduler.step(1)
+        if skipped:  # fp16 overflow: no update, and the schedule waits (as Megatron)
+            grad_norm = float("nan")
+        else:
+            grad_norm = self._clip()
+            self.optimizer.step()
+            self.masters.copy_to_model()
+            self.scheduler.step(1)
         if topo.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
@@ -210,6 +256,7 @@ class Trainer:
             "dp": topo.dp,
             "world_size": topo.world_size,
             "attention": cfg.attention,
+            **({"loss_scale": scale, "skipped": skipped} if self.scaler is not None else {}),
         }
 
     def save(self) -> str:
@@ -225,6 +272,10 @@ class Trainer:
             scheduler=self.scheduler,
             consumed_samples=self.consumed_samples,
             config=self.cfg.to_dict(),
+            extra={
+                **self.masters.state_dict(),
+                **({"loss_scaler": self.scaler.state_dict()} if self.scaler else {}),
+            },
         )
 
     # -- the loop -------------------------------------------------------------------
@@ -236,10 +287,17 @@ class Trainer:
         """Step until --train-iters (or --exit-interval); log, save; return the records."""
         cfg, first = self.cfg, self.topo.is_first
         log = metrics.JsonlLog(cfg.log_jsonl if first else None)
+        # where this run begins: re-runs and resumes append to the same file
+        log.write(metrics.start_marker(self.iteration, cfg.to_dict(), self.resumed_from))
         records = []
         try:
             while self.iteration < cfg.train_iters:
                 rec = self.step()
+                last = self.iteration >= cfg.train_iters or (
+                    cfg.exit_interval is not None and self.iteration % cfg.exit_interval == 0
+                )
+                if cfg.eval_interval and (self.iteration % cfg.eval_interval == 0 or last):
+                    rec["val_loss"] = self.evaluate()
                 records.append(rec)
                 if heartbeat is not None:
                     heartbeat.progress(self.iteration)
@@ -274,8 +332,41 @@ def _banner(cfg: TrainConfig, topo: Topology, trainer: Trainer) -> str:
         f"global batch {trainer.global_batch}; world {topo.world_size} = TP {topo.tp} x "
         f"CP {topo.cp} x DP {topo.dp} on {dist.get_backend()} ({topo.device.type}); "
         f"data {cfg.data}{' ' + ','.join(cfg.data_path) if cfg.data_path else ''}"
-        + (f"; resumed at iteration {trainer.iteration}" if cfg.load else "")
+        + (f"; {'bf16' if cfg.bf16 else 'fp16'} with fp32 master weights"
+           if cfg.bf16 or cfg.fp16 else "")
+        + (f"; resumed at iteration {trainer.iteration}" if trainer.resumed_from is not None
+           else "")
     )
+
+
+def _announce_start(cfg: TrainConfig) -> bool:
+    """Megatron's --load semantics, said once (by global rank 0) before any process group:
+    no checkpoint in --load starts fresh, a finished run has nothing to do, and a
+    --save directory with checkpoints that this run does not resume is overwritten.
+    Returns False when there is nothing to train."""
+    first = int(os.environ.get("RANK", dist.get_rank() if dist.is_initialized() else 0)) == 0
+    resume = checkpoint.resume_iteration(cfg.load, cfg.ckpt_step)
+    if cfg.load is not None and resume is None:
+        if first:
+            metrics.say(f"--load {cfg.load}: no checkpoint there, starting from iteration 0")
+    elif resume is not None and resume >= cfg.train_iters:
+        if first:
+            metrics.say(
+                f"nothing to do: the checkpoint in {cfg.load} is at iteration {resume}, and "
+                f"--train-iters is {cfg.train_iters}; raise --train-iters to train further"
+            )
+        return False
+    if cfg.save is not None and resume is None and os.path.isdir(cfg.save):
+        try:
+            old = checkpoint.latest_iteration(cfg.save)
+        except checkpoint.CheckpointError:
+            old = None
+        if old is not None and first:
+            metrics.say(
+                f"--save {cfg.save} holds checkpoints up to iteration {old}; this run starts "
+                f"at 0 and its checkpoints replace them (pass --load {cfg.save} to resume)"
+            )
+    return True
 
 
 def run(
@@ -290,6 +381,8 @@ def run(
     """
     world = dist.get_world_size() if dist.is_initialized() else world_size_from_env()
     validate(cfg, world)  # before any process group is created
+    if not _announce_start(cfg):
+        return []  # a finished run: nothing to do (every rank reads the same files)
     topo = init_distributed(
         cfg.tensor_model_parallel_size, cfg.context_parallel_size, cfg.distributed_timeout_minutes
     )
@@ -312,6 +405,7 @@ def run(
                 metrics.say(
                     f"metrics: {os.path.abspath(cfg.log_jsonl)} (one JSON line per iteration)"
                 )
+                metrics.say(metrics.plot_run(cfg.log_jsonl))
     except Exception as err:
         heartbeat.stop()
         traceback.print_exc()
@@ -328,6 +422,13 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hla_sp.launch.extras import MissingExtra, require
+
+    try:
+        require("megatron", "hla_sp.launch.train")
+    except MissingExtra as e:
+        print(f"hla_sp.launch.train: error: {e}", file=sys.stderr)
+        return 2
     cfg = parse_args(argv)
     try:
         run(cfg)

@@ -40,7 +40,9 @@ def test_megatron_spellings_parse() -> None:
         ("--data-path /nonexistent/corpus", 1, "/nonexistent/corpus.bin not found"),
         ("--hidden-size 30 --num-attention-heads 4", 1, "not divisible by --num-attention-heads"),
         ("--global-batch-size 3 --micro-batch-size 2", 2, "multiple of --micro-batch-size"),
-        ("--load /nonexistent/ckpt", 1, "--load /nonexistent/ckpt: no such directory"),
+        ("--load /nonexistent/ckpt --ckpt-step 3", 1, "--ckpt-step 3: no such directory"),
+        ("--bf16 --fp16", 1, "--bf16 and --fp16 exclude each other"),
+        ("--split 1,x", 1, "--split: expected up to three weights"),
         (
             "--data synthetic-recall --recall-pairs 8 --seq-length 64 --context-parallel-size 4",
             4,

@@ -1,0 +1,41 @@
+"""The optional extras each command needs, and a one-line error when one is missing.
+
+``pip install "hla-sp[megatron]"`` (``hla-sp train``, ``python -m
+hla_sp.launch.train``, the Megatron drop-in), ``"hla-sp[ray]"`` (``hla-sp sweep``),
+``"hla-sp[plot]"`` (the plots); see README.md, "Installing".
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from hla_sp.launch.config import ConfigError
+
+# extra -> (module that proves it is installed, what it is)
+EXTRAS: dict[str, tuple[str, str]] = {
+    "megatron": ("megatron.core", "megatron-core"),
+    "ray": ("ray.train", "Ray Train"),
+    "plot": ("matplotlib", "matplotlib"),
+}
+
+
+class MissingExtra(ConfigError):
+    """An optional dependency a command needs is not installed; says how to install it."""
+
+
+def installed(module: str) -> bool:
+    """Whether ``module`` can be imported, without importing it (a parent package may be)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a missing parent, or a module set to None
+        return False
+
+
+def require(extra: str, command: str) -> None:
+    """Raise :class:`MissingExtra` naming ``extra`` unless its module imports."""
+    module, what = EXTRAS[extra]
+    if not installed(module):
+        raise MissingExtra(
+            f'{command} needs {what} ({module}), which is not installed: '
+            f'pip install "hla-sp[{extra}]"'
+        )
