@@ -9,9 +9,19 @@ section 4) with chunks in place of ranks:
     output:               o_t = sum_{j<=t in chunk} exp(b_t - b_j)(q_t.k_j) v_j
                               + exp(b_t) q_t h_{n-1}
 
-with b the within-chunk cumulative log-decay. Cost O(T C (K + V) + T K V) time and
-O(T (C + K + V)) memory. Autograd differentiates it exactly; the Triton path in
-``hla_sp.kernels`` has hand-written backward kernels instead.
+with b the within-chunk cumulative log-decay. Every in-chunk weight is the exp of a
+*segment sum* (a masked cumulative sum of the log-decays between two tokens, as
+Mamba-2's ``segsum``), never a difference of two prefix sums: b_t - b_j cancels
+catastrophically once one token's decay is huge (-1e6 costs all of fp32's digits,
+-1e30 all of fp64's) and is NaN for a hard reset (-inf - -inf). A segment sum has
+no cancellation, and -inf simply gives a weight of 0.
+
+Memory: the forward keeps nothing but its inputs (autograd saves q, k, v, g, h0); the
+backward recomputes the chunk summaries (one batched matmul), the state scan and the
+intra-chunk terms, and applies hand-written gradients. All chunks are handled by
+batched matmuls over [B, H, N, C, .]; only the state passing between chunks is a
+loop over N, on [B, H, K, V] states, in place. Cost O(T C (K + V) + T K V) time and
+O(T (C + K + V)) transient memory.
 
 Document starts (``resets``) cut the carry, which is the summary's "contains a
 start" flag: pairs across a start are masked, and a chunk containing a start passes
@@ -21,9 +31,13 @@ on only the part after its last start.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+Tensor = torch.Tensor
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -42,6 +56,239 @@ def document_resets(bounds: Sequence[int], T: int, device: torch.device) -> torc
     return resets
 
 
+def segsum(g: Tensor) -> Tensor:
+    """Stable in-chunk segment sums: out[..., t, j] = sum_{j < i <= t} g[..., i] for
+    j <= t, -inf above the diagonal.
+
+    Args:
+        g: [..., C] log-decays of one chunk (<= 0; -inf allowed).
+
+    Returns:
+        [..., C, C]. A masked cumulative sum: no difference of prefix sums, so a huge
+        decay at one token cannot swamp the others, and -inf never meets -inf.
+    """
+    C = g.shape[-1]
+    x = g[..., :, None].expand(*g.shape, C)  # x[..., i, j] = g_i
+    strict = torch.ones(C, C, dtype=torch.bool, device=g.device).tril(-1)
+    out = x.masked_fill(~strict, 0.0).cumsum(-2)  # the diagonal sums nothing: 0
+    return out.masked_fill(~torch.ones_like(strict).tril(), float("-inf"))
+
+
+@dataclass
+class _Chunks:
+    """Inputs cut into chunks, heads first, and the decay weights of every chunk.
+
+    qc, kc: [B, H, N, C, K]; vc: [B, H, N, C, V] (compute dtype, zero-padded).
+    D: [B, H, N, C, C] in-chunk decay exp(segsum), 0 where masked (causal, resets).
+    wc: [B, H, N, C] weight of the incoming state for token t, exp(b_t).
+    ws: [B, H, N, C] weight of token j in its chunk's summary, exp(b_C - b_j).
+    p: [B, H, N] pass factor of each chunk, exp(b_C) (0 when the chunk holds a start).
+    """
+
+    qc: Tensor
+    kc: Tensor
+    vc: Tensor
+    D: Tensor
+    wc: Tensor
+    ws: Tensor
+    p: Tensor
+    T: int
+    pad: int
+
+
+def _heads_first(x: Tensor, B: int, N: int, C: int, H: int) -> Tensor:
+    """[B, N C, H, D] -> [B, H, N, C, D], contiguous: batched matmuls on a permuted view
+    copy per batch and run several times slower (measured 10x for [1, 4, 256, 64, 64])."""
+    return x.reshape(B, N, C, H, x.shape[-1]).permute(0, 3, 1, 2, 4).contiguous()
+
+
+def _prepare(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, resets: Tensor | None, C: int
+) -> _Chunks:
+    B, T, H, _ = q.shape
+    N = -(-T // C)
+    pad = N * C - T
+    cdt = compute_dtype(q.dtype)
+    q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
+    if pad:
+        # Padding at the end with q = k = v = 0 and g = 0 leaves the state unchanged.
+        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+    qc, kc, vc = (_heads_first(x, B, N, C, H) for x in (q, k, v))
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    if g is None:
+        D = causal.to(cdt).expand(B, H, N, C, C)
+        wc = q.new_ones(B, H, N, C)
+        ws = q.new_ones(B, H, N, C)
+        p = q.new_ones(B, H, N)
+    else:
+        gg = F.pad(g.to(cdt), (0, 0, 0, pad)) if pad else g.to(cdt)
+        gc = gg.reshape(B, N, C, H).permute(0, 3, 1, 2).contiguous()  # [B, H, N, C]
+        seg = segsum(gc)  # [B, H, N, C, C]
+        D = torch.exp(seg)
+        wc = torch.exp(gc.cumsum(-1))  # a prefix sum from the chunk start: no cancellation
+        ws = D[..., -1, :]  # exp(sum_{i > j} g_i): the last row of the segment sums
+        p = wc[..., -1]
+    if resets is not None:
+        r = resets.to(torch.bool)
+        if pad:
+            r = F.pad(r, (0, pad))
+        c = r.view(B, N, C).long().cumsum(-1)[:, None]  # starts seen so far in the chunk
+        keep = causal & (c[..., :, None] == c[..., None, :])
+        D = D * keep
+        ws = ws * (c == c[..., -1:])
+        wc = wc * (c == 0)
+        p = p * (c[..., -1] == 0)
+    return _Chunks(qc, kc, vc, D, wc, ws, p, T, pad)
+
+
+def _addmm(acc: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """acc += a @ b in place, batched over all leading dims ([..., M, N] += [..., M, L] @
+    [..., L, N]): one fused baddbmm, no temporary the size of acc."""
+    flat = acc.view(-1, *acc.shape[-2:])
+    flat.baddbmm_(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
+    return acc
+
+
+def _incoming_states(ch: _Chunks, h0: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The state entering each chunk, h_in [B, H, N, K, V], and the last state [B, H, K, V].
+
+    All chunk summaries in one batched matmul, then the scan h_n = p_n h_{n-1} + s_n
+    over N, in place (one fused multiply-add per chunk on a [B, H, K, V] state).
+    """
+    s = (ch.kc * ch.ws[..., None]).transpose(-1, -2) @ ch.vc  # [B, H, N, K, V]
+    if h0 is not None:
+        s[:, :, 0].addcmul_(ch.p[:, :, 0, None, None], h0.to(s.dtype))
+    for n in range(1, s.shape[2]):
+        s[:, :, n].addcmul_(ch.p[:, :, n, None, None], s[:, :, n - 1])
+    first = torch.zeros_like(s[:, :, :1]) if h0 is None else h0.to(s.dtype)[:, :, None]
+    return torch.cat([first, s[:, :, :-1]], dim=2), s[:, :, -1]
+
+
+def _to_tokens(x: Tensor, T: int) -> Tensor:
+    """[B, H, N, C, D] -> [B, T, H, D] (drops the padding)."""
+    B, H, N, C, Dd = x.shape
+    return x.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, Dd)[:, :T]
+
+
+def chunk_forward(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, resets: Tensor | None,
+    h0: Tensor | None, chunk_size: int,
+) -> tuple[Tensor, Tensor]:
+    """The forward of :func:`chunk_linear_attention`, without autograd.
+
+    Returns o [B, T, H, V] (contiguous) and h_last [B, H, K, V], in the compute dtype.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    cdt = compute_dtype(q.dtype)
+    if T == 0:  # an empty shard: no outputs, and the carry passes through unchanged
+        h = torch.zeros(B, H, K, V, dtype=cdt, device=q.device) if h0 is None else h0.to(cdt)
+        return q.new_zeros(B, 0, H, V, dtype=cdt), h.clone()  # never an alias of h0
+    with torch.no_grad():
+        ch = _prepare(q, k, v, g, resets, chunk_size)
+        h_in, h_last = _incoming_states(ch, h0)
+        attn = (ch.qc @ ch.kc.transpose(-1, -2)).mul_(ch.D)  # [B, H, N, C, C]
+        o = _addmm(attn @ ch.vc, ch.qc * ch.wc[..., None], h_in)
+        del attn
+        return _to_tokens(o, T).contiguous(), h_last.contiguous()
+
+
+def chunk_backward(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, resets: Tensor | None,
+    h0: Tensor | None, do: Tensor, dht: Tensor | None, chunk_size: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+    """Gradients of :func:`chunk_forward` from its inputs alone (everything recomputed).
+
+    With the cotangents do [B, T, H, V] and dht [B, H, K, V] (or None), per chunk, with
+    A = (Q K^T) ⊙ D, dA = dO V^T and dH the gradient of the state after the chunk:
+
+        dH_in = p dH + (Q ⊙ wc)^T dO      (a reverse scan over the chunks)
+        dQ = (dA ⊙ D) K + (dO H_in^T) ⊙ wc
+        dK = (dA ⊙ D)^T Q + (V dH^T) ⊙ ws
+        dV = A^T dO + (K ⊙ ws) dH
+
+    and the decay's gradient through the log-weights: dA ⊙ A on each (t, j) segment
+    sum (g_i for j < i <= t), the carry's row sums on b_t (g_i for i <= t), the
+    summary's on b_C - b_j (g_i for i > j), p <H_in, dH> on b_C (all g_i in the chunk).
+
+    Returns dq, dk, dv, dg (None without g), dh0 (None without h0), in the compute dtype.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    cdt = compute_dtype(q.dtype)
+    if T == 0:
+        dh = torch.zeros(B, H, K, V, dtype=cdt, device=q.device) if dht is None else dht.to(cdt)
+        zq, zv = q.new_zeros(B, 0, H, K, dtype=cdt), q.new_zeros(B, 0, H, V, dtype=cdt)
+        dg = None if g is None else q.new_zeros(B, 0, H, dtype=cdt)
+        return zq, zq.clone(), zv, dg, (None if h0 is None else dh)
+    C = chunk_size
+    with torch.no_grad():
+        ch = _prepare(q, k, v, g, resets, C)
+        N = ch.qc.shape[2]
+        h_in, _ = _incoming_states(ch, h0)
+        d = do.to(cdt)
+        if ch.pad:
+            d = F.pad(d, (0, 0, 0, 0, 0, ch.pad))
+        doc = _heads_first(d, B, N, C, H)  # [B, H, N, C, V]
+        qw = ch.qc * ch.wc[..., None]
+        # dh_in of every chunk, in place: X_n = qw_n^T dO_n, then X_n += p_n X_{n+1}.
+        dh_in = qw.transpose(-1, -2) @ doc  # [B, H, N, K, V]
+        if dht is not None:
+            dh_in[:, :, -1].addcmul_(ch.p[:, :, -1, None, None], dht.to(cdt))
+        for n in range(N - 2, -1, -1):
+            dh_in[:, :, n].addcmul_(ch.p[:, :, n, None, None], dh_in[:, :, n + 1])
+        last = torch.zeros_like(dh_in[:, :, :1]) if dht is None else dht.to(cdt)[:, :, None]
+        dh_out = torch.cat([dh_in[:, :, 1:], last], dim=2)  # gradient of each chunk's end state
+
+        kw = ch.kc * ch.ws[..., None]
+        dA = doc @ ch.vc.transpose(-1, -2)  # [B, H, N, C, C]
+        A = (ch.qc @ ch.kc.transpose(-1, -2)).mul_(ch.D)
+        dv = _addmm(A.transpose(-1, -2) @ doc, kw, dh_out)
+        dq_carry = doc @ h_in.transpose(-1, -2)  # [B, H, N, C, K]
+        dk_state = ch.vc @ dh_out.transpose(-1, -2)  # [B, H, N, C, K]
+        dg = None
+        if g is not None:
+            dL = dA * A  # gradient of each in-chunk segment sum; 0 where masked
+            db = dL.sum(-1) - dL.sum(-2)  # on b_t as the later end, minus as the earlier
+            del dL
+            db += (qw * dq_carry).sum(-1)  # the carry weight exp(b_t)
+            dlws = (kw * dk_state).sum(-1)  # the summary weight exp(b_C - b_j)
+            dlp = ch.p * (h_in * dh_out).sum((-1, -2))  # the pass factor exp(b_C)
+            dgc = db.flip(-1).cumsum(-1).flip(-1)  # g_i enters b_t for every t >= i
+            dgc += dlws.cumsum(-1) - dlws  # ... and b_C - b_j for every j < i
+            dgc += dlp[..., None]
+            dg = dgc.permute(0, 2, 3, 1).reshape(B, N * C, H)[:, :T]
+        del A
+        dQK = dA.mul_(ch.D)
+        dq = _addmm(dq_carry.mul_(ch.wc[..., None]), dQK, ch.kc)
+        dk = _addmm(dk_state.mul_(ch.ws[..., None]), dQK.transpose(-1, -2), ch.qc)
+        dh0 = None if h0 is None else dh_in[:, :, 0].contiguous()
+        return _to_tokens(dq, T), _to_tokens(dk, T), _to_tokens(dv, T), dg, dh0
+
+
+class _ChunkFunction(torch.autograd.Function):
+    """Autograd of the chunk path that saves only its inputs (see the module note)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None,
+        resets: Tensor | None, h0: Tensor | None, chunk_size: int,
+    ) -> tuple[Tensor, Tensor]:
+        ctx.save_for_backward(q, k, v, g, resets, h0)
+        ctx.chunk_size = chunk_size
+        return chunk_forward(q, k, v, g, resets, h0, chunk_size)
+
+    @staticmethod
+    def backward(ctx: Any, do: Tensor, dht: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        q, k, v, g, resets, h0 = ctx.saved_tensors
+        dq, dk, dv, dg, dh0 = chunk_backward(q, k, v, g, resets, h0, do, dht, ctx.chunk_size)
+        return (
+            dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+            None if dg is None else dg.to(g.dtype), None,
+            None if dh0 is None else dh0.to(h0.dtype), None,
+        )
+
+
 def chunk_linear_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -52,76 +299,23 @@ def chunk_linear_attention(
     h0: torch.Tensor | None = None,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decayed causal linear attention, chunk-parallel.
+    """Decayed causal linear attention, chunk-parallel, differentiable.
 
     Args:
         q: [B, T, H, K], already multiplied by the scale.
         k: [B, T, H, K].
         v: [B, T, H, V].
-        g: [B, T, H] log-decay (<= 0), or None for no decay.
+        g: [B, T, H] log-decay (<= 0; -inf is a hard reset), or None for no decay.
         resets: [B, T] bool, True where a new segment starts (its carry is cut);
             position 0 must be False: the carry into position 0 is ``h0``.
         h0: [B, H, K, V] carry into position 0, or None for zero.
         chunk_size: C, the chunk length.
 
     Returns:
-        o: [B, T, H, V] in q's dtype, and the state after the last token,
-        [B, H, K, V] in the compute dtype (fp32, or fp64 for fp64 inputs).
+        o: [B, T, H, V] and the state after the last token, [B, H, K, V], both in the
+        compute dtype (fp32, or fp64 for fp64 inputs).
     """
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    C = chunk_size
-    N = -(-T // C)
-    pad = N * C - T
-    cdt = compute_dtype(q.dtype)
-    if T == 0:  # an empty shard: no outputs, and the carry passes through unchanged
-        h = torch.zeros(B, H, K, V, dtype=cdt, device=q.device) if h0 is None else h0.to(cdt)
-        return q.new_zeros(B, 0, H, V, dtype=cdt), h
-    q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
-    g = torch.zeros(B, T, H, dtype=cdt, device=q.device) if g is None else g.to(cdt)
-    if pad:
-        # Padding at the end with q = k = v = 0 and g = 0 leaves the state unchanged.
-        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
-        g = F.pad(g, (0, 0, 0, pad))
-    # [B, H, N, C, D] so that each chunk is a batched matmul.
-    qc = q.view(B, N, C, H, K).permute(0, 3, 1, 2, 4)
-    kc = k.view(B, N, C, H, K).permute(0, 3, 1, 2, 4)
-    vc = v.view(B, N, C, H, V).permute(0, 3, 1, 2, 4)
-    b = g.view(B, N, C, H).permute(0, 3, 1, 2).cumsum(-1)  # [B, H, N, C]
-    bC = b[..., -1:]  # [B, H, N, 1]
-
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    keep = causal  # [C, C] or [B, 1, N, C, C]
-    w_state = torch.exp(bC - b)  # weight of token j in its chunk's summary
-    w_carry = torch.exp(b)  # weight of the incoming state for token t
-    p = torch.exp(bC[..., 0])  # [B, H, N] pass factor of each chunk
-    if resets is not None:
-        r = resets.to(torch.bool)
-        if pad:
-            r = F.pad(r, (0, pad))
-        c = r.view(B, N, C).long().cumsum(-1)[:, None]  # starts seen so far in the chunk
-        keep = causal & (c[..., :, None] == c[..., None, :])
-        w_state = w_state * (c == c[..., -1:])
-        w_carry = w_carry * (c == 0)
-        p = p * (c[..., -1] == 0)
-
-    diff = (b[..., :, None] - b[..., None, :]).masked_fill(~keep, float("-inf"))
-    attn = (qc @ kc.transpose(-1, -2)) * torch.exp(diff)  # [B, H, N, C, C]
-    o = attn @ vc  # [B, H, N, C, V]
-
-    s = (kc * w_state[..., None]).transpose(-1, -2) @ vc  # [B, H, N, K, V]
-    h = torch.zeros(B, H, K, V, dtype=cdt, device=q.device) if h0 is None else h0.to(cdt)
-    incoming = []
-    # unbind, not s[:, :, n]: the backward of an index is a zero tensor the size of s
-    # per chunk, which made the backward O(N^2 K V).
-    for p_n, s_n in zip(p.unbind(-1), s.unbind(2)):
-        incoming.append(h)
-        h = p_n[..., None, None] * h + s_n
-    h_in = torch.stack(incoming, dim=2)  # [B, H, N, K, V]
-    o = o + (qc * w_carry[..., None]) @ h_in
-
-    o = o.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
-    return o, h
+    return _ChunkFunction.apply(q, k, v, g, resets, h0, chunk_size)
 
 
 def segment_summary(

@@ -4,11 +4,11 @@ the implementation that a call runs (:func:`chunk_impl`).
 ``torch.compile`` cannot trace into Triton launches (nor, with ``fullgraph=True``,
 through the Python loops of the chunk path); an opaque operator with a fake (meta)
 implementation and a registered backward is traced as one node. As in
-flash-attention, the Triton backend runs through this operator in eager and compiled
-calls alike: one path, one backward registration. The torch backend runs it while
-compiling; eager torch calls use autograd of the chunk path itself, which keeps the
-forward's activations, where the operator's backward recomputes the forward (1.6x
-the time of a training step on CPU, measured at T = 4096, K = V = 64).
+flash-attention, both backends run through this operator in eager and compiled calls
+alike: one path, one backward registration. The torch backend's forward keeps nothing
+but its inputs and its backward recomputes the chunk summaries, the state scan and
+the intra-chunk terms with hand-written gradients (:func:`hla_sp.ops.chunk.chunk_backward`),
+so a training step holds no per-chunk activations.
 
 Two operators, both taking the backend name chosen by :mod:`hla_sp.ops.dispatch`:
 
@@ -19,10 +19,8 @@ Two operators, both taking the backend name chosen by :mod:`hla_sp.ops.dispatch`
         backend) -> (dq, dk, dv, dg, dh0)
 
 Absent gradients (no g, no h0) come back as empty tensors, because an operator's
-outputs must be tensors; the autograd formula turns them back into None. The torch
-backend's backward is the vjp of the torch chunk path, recomputed under
-``enable_grad``: exactly autograd's gradient. The Triton backend calls the backward
-kernels.
+outputs must be tensors; the autograd formula turns them back into None. The Triton
+backend calls the backward kernels.
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ from typing import Any
 
 import torch
 
-from hla_sp.ops.chunk import chunk_linear_attention, compute_dtype
+from hla_sp.ops.chunk import chunk_backward, chunk_forward, compute_dtype
 from hla_sp.ops.dispatch import backend_for, triton_chunk_backward, triton_chunk_forward
 
 Tensor = torch.Tensor
@@ -57,13 +55,8 @@ def chunk_linear_attention_op(
     """The chunk scan of ``backend`` ("torch" or "triton"), in the compute dtype."""
     if backend == "triton":
         return triton_chunk_forward(q, k, v, g, resets, h0, chunk_size)
-    with torch.no_grad():
-        o, h = chunk_linear_attention(q, k, v, g, resets=resets, h0=h0, chunk_size=chunk_size)
-    # Contiguous, as the fake promises (the chunk path returns a permuted view); outputs
-    # of a custom op may not alias its inputs: clone in the (T = 0) corner case.
-    if h0 is not None and h.data_ptr() == h0.data_ptr():
-        h = h.clone()
-    return o.contiguous(), h.contiguous()
+    # Contiguous and never an alias of h0, as the fake and the operator rules require.
+    return chunk_forward(q, k, v, g, resets, h0, chunk_size)
 
 
 @chunk_linear_attention_op.register_fake
@@ -97,7 +90,7 @@ def chunk_linear_attention_bwd_op(
             q, k, v, g, resets, h0, do, dht, chunk_size
         )
     else:
-        dq, dk, dv, dg, dh0 = _torch_vjp(q, k, v, g, resets, h0, do, dht, chunk_size)
+        dq, dk, dv, dg, dh0 = chunk_backward(q, k, v, g, resets, h0, do, dht, chunk_size)
     # Contiguous, in the inputs' dtypes: exactly what the fake below promises.
     # (Two distinct empties: outputs of an operator may not alias each other.)
     dg = q.new_empty(0) if dg is None else dg.to(g.dtype).contiguous()
@@ -106,34 +99,6 @@ def chunk_linear_attention_bwd_op(
         dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous(),
         dg, dh0,
     )
-
-
-def _torch_vjp(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, resets: Tensor | None,
-    h0: Tensor | None, do: Tensor, dht: Tensor | None, chunk_size: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
-    """The vjp of the torch chunk path, recomputed: exactly autograd's gradients.
-
-    ``torch.func.vjp`` rather than ``torch.autograd.grad``: an operator's
-    implementation runs below the autograd dispatch key, where ``enable_grad`` records
-    nothing, while a function transform sets up its own autograd level.
-    """
-
-    def f(*xs: Tensor) -> tuple[Tensor, Tensor]:
-        it = iter(xs[3:])
-        gg = next(it) if g is not None else None
-        hh = next(it) if h0 is not None else None
-        o, h = chunk_linear_attention(*xs[:3], gg, resets=resets, h0=hh, chunk_size=chunk_size)
-        return o, h
-
-    primals = [q, k, v] + [x for x in (g, h0) if x is not None]
-    (_, h), vjp_fn = torch.func.vjp(f, *primals)
-    # o and h are both in the compute dtype
-    grads = vjp_fn((do.to(h.dtype), torch.zeros_like(h) if dht is None else dht.to(h.dtype)))
-    it = iter(grads[3:])
-    dg = next(it) if g is not None else None
-    dh0 = next(it) if h0 is not None else None
-    return grads[0], grads[1], grads[2], dg, dh0
 
 
 @chunk_linear_attention_bwd_op.register_fake
@@ -223,7 +188,4 @@ ChunkImpl = Callable[..., tuple[Tensor, Tensor]]
 
 def chunk_impl(x: Tensor) -> ChunkImpl:
     """The chunk-scan implementation for tensors like ``x`` (backend: :mod:`dispatch`)."""
-    name = backend_for(x)
-    if name == "torch" and not torch.compiler.is_compiling():
-        return chunk_linear_attention  # eager: autograd keeps the activations (see above)
-    return make_chunk_impl(name)
+    return make_chunk_impl(backend_for(x))
