@@ -243,9 +243,19 @@ def add_hla_flags(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(attention="hla2")
 
 
-def build_parser(prog: str = "hla_sp.launch.train") -> argparse.ArgumentParser:
+class _RaisingParser(argparse.ArgumentParser):
+    """A parser whose errors raise :class:`ConfigError` instead of printing usage and
+    exiting (for callers such as the sweep, which name their own file and key)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise ConfigError(message)
+
+
+def build_parser(
+    prog: str = "hla_sp.launch.train", raise_errors: bool = False
+) -> argparse.ArgumentParser:
     """The trainer's argument parser, generated from :class:`TrainConfig`."""
-    parser = argparse.ArgumentParser(
+    parser = (_RaisingParser if raise_errors else argparse.ArgumentParser)(
         prog=prog,
         description="Train a megatron-core GPT with HLA attention and context parallelism.",
         allow_abbrev=False,  # as Megatron's parser: no prefix surprises between flags
@@ -274,12 +284,22 @@ def build_parser(prog: str = "hla_sp.launch.train") -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    """Parse trainer flags into a :class:`TrainConfig` (the HLA flags land in ``cfg.hla``)."""
-    ns = vars(build_parser().parse_args(argv))
+def parse_args(argv: list[str] | None = None, raise_errors: bool = False) -> TrainConfig:
+    """Parse trainer flags into a :class:`TrainConfig` (the HLA flags land in ``cfg.hla``);
+    with ``raise_errors`` a bad flag raises :class:`ConfigError` instead of exiting."""
+    ns = vars(build_parser(raise_errors=raise_errors).parse_args(argv))
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     hla = {k: v for k, v in ns.items() if k not in names}
     return TrainConfig(**{k: v for k, v in ns.items() if k in names}, hla=hla)
+
+
+def flag_names() -> dict[str, str]:
+    """Every trainer flag's destination name (``hidden_size``, ``hla_decay``) -> flag."""
+    out = {}
+    for action in build_parser()._actions:
+        if action.dest != "help" and action.option_strings:
+            out[action.dest] = action.option_strings[0]
+    return out
 
 
 def world_size_from_env() -> int:

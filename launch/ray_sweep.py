@@ -22,52 +22,128 @@ Config keys (TOML shown; JSON has the same shape)::
     hidden_size = 64
 
 The Ray dashboard is never started by this tool (``include_dashboard=False``); a local
-cluster binds to 127.0.0.1.
+cluster binds to 127.0.0.1. Before Ray starts, the file's keys and values are checked
+(errors name the file and the key), every grid point is validated as the trainer would,
+and the cluster must have a CPU (GPU with ``use_gpu``) per worker of the largest world
+size: Ray would otherwise wait for resources that never come. Ray's own messages are
+filtered from the output and each worker line is printed once; ``ray.shutdown()`` runs
+on every exit (errors, Ctrl-C, SIGTERM), so no actor outlives the driver.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
+import re
+import signal
 import sys
 import time
-from typing import Any
+from collections import deque
+from collections.abc import Iterator
+from typing import Any, TextIO
 
-from hla_sp.launch.config import ConfigError, TrainConfig, parse_args, validate
+from hla_sp.launch.config import ConfigError, TrainConfig, flag_names, parse_args, validate
 
 _KNOWN = {"world_sizes", "seq_lengths", "train_iters", "use_gpu", "output_dir", "ray", "trainer"}
+# ray.init arguments a sweep file may set (a typo would otherwise reach Ray as a TypeError)
+_RAY_KEYS = {"num_cpus", "num_gpus", "address", "object_store_memory", "namespace",
+             "runtime_env", "_temp_dir"}
+
+
+def _read(path: str) -> dict[str, Any]:
+    """The file's mapping; errors name the file (missing, wrong format, syntax)."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in (".json", ".toml"):
+        raise ConfigError(f"{path}: expected a .json or .toml sweep file, got {ext or 'no'} "
+                          f"extension (see examples/sweep.toml)")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path}: no such file (examples/sweep.toml and examples/sweep.json "
+                          f"are sweeps to start from)")
+    try:
+        if ext == ".json":
+            with open(path) as f:
+                cfg = json.load(f)
+        else:
+            try:
+                import tomllib
+            except ModuleNotFoundError:  # Python 3.10
+                import tomli as tomllib  # type: ignore[no-redef]
+            with open(path, "rb") as f:
+                cfg = tomllib.load(f)
+    except ValueError as e:  # JSONDecodeError and TOMLDecodeError are ValueErrors
+        raise ConfigError(f"{path}: not valid {ext[1:].upper()}: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path}: expected a mapping of keys at the top level")
+    return cfg
 
 
 def load_config(path: str) -> dict[str, Any]:
-    """Read a sweep config from JSON (``.json``) or TOML (anything else)."""
-    if path.endswith(".json"):
-        with open(path) as f:
-            cfg = json.load(f)
-    else:
-        try:
-            import tomllib
-        except ModuleNotFoundError:  # Python 3.10
-            import tomli as tomllib  # type: ignore[no-redef]
-        with open(path, "rb") as f:
-            cfg = tomllib.load(f)
+    """Read and check a sweep config (``.json`` or ``.toml``); errors name file and key."""
+    cfg = _read(path)
     unknown = set(cfg) - _KNOWN
     if unknown:
         raise ConfigError(f"{path}: unknown keys {sorted(unknown)}; known: {sorted(_KNOWN)}")
     for key in ("world_sizes", "seq_lengths"):
-        if not cfg.get(key) or not all(isinstance(v, int) and v > 0 for v in cfg[key]):
-            raise ConfigError(f"{path}: {key} must be a non-empty list of positive integers")
+        v = cfg.get(key)
+        if not isinstance(v, list) or not v or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in v
+        ):
+            raise ConfigError(f"{path}: {key}: expected a non-empty list of positive "
+                              f"integers, got {v!r}")
+    it = cfg.get("train_iters", 3)
+    if isinstance(it, bool) or not isinstance(it, int) or it < 1:
+        raise ConfigError(f"{path}: train_iters: expected an integer >= 1, got {it!r}")
+    if not isinstance(cfg.get("use_gpu", False), bool):
+        raise ConfigError(f"{path}: use_gpu: expected true or false, got {cfg['use_gpu']!r}")
+    if not isinstance(cfg.get("output_dir", ""), str):
+        raise ConfigError(f"{path}: output_dir: expected a string, got {cfg['output_dir']!r}")
+    for table in ("ray", "trainer"):
+        if not isinstance(cfg.get(table, {}), dict):
+            raise ConfigError(f"{path}: [{table}]: expected a table of keys, got "
+                              f"{cfg[table]!r}")
+    bad = set(cfg.get("ray", {})) - _RAY_KEYS
+    if bad:
+        raise ConfigError(f"{path}: [ray] unknown keys {sorted(bad)}; known: "
+                          f"{sorted(_RAY_KEYS)}")
+    _check_trainer_table(path, cfg.get("trainer", {}))
     return cfg
 
 
+def _check_trainer_table(path: str, table: dict[str, Any]) -> None:
+    """Every ``[trainer]`` key a trainer flag, every value one it parses."""
+    names = flag_names()
+    fixed = {"seq_length": "seq_lengths", "train_iters": "train_iters"}
+    for key, value in table.items():
+        k = key.replace("-", "_")
+        if k in fixed:
+            raise ConfigError(f"{path}: [trainer] {key}: set by the sweep; use the top-level "
+                              f"key {fixed[k]}")
+        if k not in names:
+            close = sorted(n for n in names if n.split("_")[-1] in k or k.split("_")[-1] in n)
+            raise ConfigError(f"{path}: [trainer] {key}: not a trainer flag"
+                              + (f" (did you mean {close[:3]}?)" if close else "")
+                              + "; see hla-sp train --help")
+        try:
+            parse_args(flags_from_mapping({k: value}), raise_errors=True)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: [trainer] {key} = {value!r}: {e}") from None
+
+
 def flags_from_mapping(values: dict[str, Any]) -> list[str]:
-    """``{"num_layers": 2, "recompute_activations": True}`` -> ``--num-layers 2 ...``."""
+    """``{"num_layers": 2, "recompute_activations": True}`` -> ``--num-layers 2 ...``;
+    False gives ``--no-FLAG`` for flags that have that form (``hla_first_order``)."""
+    negatable = {a.dest for a in _parser()._actions
+                 if isinstance(a, argparse.BooleanOptionalAction)}
     argv: list[str] = []
     for key, v in values.items():
         flag = "--" + key.replace("_", "-")
         if v is True:
             argv.append(flag)
+        elif v is False and key in negatable:
+            argv.append("--no-" + flag[2:])
         elif v is False or v is None:
             continue
         elif isinstance(v, list):
@@ -77,6 +153,17 @@ def flags_from_mapping(values: dict[str, Any]) -> list[str]:
     return argv
 
 
+_PARSER: list[argparse.ArgumentParser] = []
+
+
+def _parser() -> argparse.ArgumentParser:
+    from hla_sp.launch.config import build_parser
+
+    if not _PARSER:
+        _PARSER.append(build_parser())
+    return _PARSER[0]
+
+
 def point_config(sweep: dict[str, Any], world_size: int, seq_length: int) -> TrainConfig:
     """The trainer config of one grid point (CP over all P ranks unless set), parsed by the
     trainer's own parser so that every default, HLA flags included, is the CLI's."""
@@ -84,7 +171,7 @@ def point_config(sweep: dict[str, Any], world_size: int, seq_length: int) -> Tra
     base.setdefault("context_parallel_size", world_size)
     base["seq_length"] = seq_length
     base["train_iters"] = int(sweep.get("train_iters", 3))
-    return parse_args(flags_from_mapping(base))
+    return parse_args(flags_from_mapping(base), raise_errors=True)
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -141,6 +228,39 @@ def _run_world_size(
     return dict(summaries)
 
 
+def throughput_figure(ok: list[dict[str, Any]]) -> Any:
+    """tokens/s against P, one line per T; P ticks are the world sizes run."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for t in sorted({r["seq_length"] for r in ok}):
+        pts = sorted((r["world_size"], r["tokens_per_s"]) for r in ok if r["seq_length"] == t)
+        ax.plot([p for p, _ in pts], [v for _, v in pts], marker="o", label=f"T={t:,}")
+    ax.set(xlabel="ranks P", ylabel="tokens / s", title="Throughput against P")
+    ax.set_xticks(sorted({r["world_size"] for r in ok}))  # P is a whole number of ranks
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def memory_figure(ok: list[dict[str, Any]]) -> Any:
+    """Peak memory per rank against T, one line per P, on an axis from zero."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for p in sorted({r["world_size"] for r in ok}):
+        pts = sorted((r["seq_length"], r["peak_mem_bytes_max"]) for r in ok if r["world_size"] == p)
+        ax.plot([t for t, _ in pts], [m / 2**30 for _, m in pts], marker="o", label=f"P={p}")
+    ax.set(xlabel="sequence length T", ylabel="peak memory per rank (GiB)", title="Memory")
+    ax.set_xscale("log", base=2)
+    # from zero: a few MB of difference must not look like a steep line
+    ax.set_ylim(bottom=0, top=max([r["peak_mem_bytes_max"] for r in ok] + [1]) / 2**30 * 1.15)
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
 def write_outputs(rows: list[dict[str, Any]], out_dir: str) -> list[str]:
     """results.json, results.csv and the two plots; returns the paths written."""
     os.makedirs(out_dir, exist_ok=True)
@@ -164,79 +284,186 @@ def write_outputs(rows: list[dict[str, Any]], out_dir: str) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    for t in sorted({r["seq_length"] for r in ok}):
-        pts = sorted((r["world_size"], r["tokens_per_s"]) for r in ok if r["seq_length"] == t)
-        ax.plot([p for p, _ in pts], [v for _, v in pts], marker="o", label=f"T={t:,}")
-    ax.set(xlabel="ranks P", ylabel="tokens / s", title="Throughput against P")
-    ax.legend()
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, "throughput_vs_p.png"))
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    for p in sorted({r["world_size"] for r in ok}):
-        pts = sorted((r["seq_length"], r["peak_mem_bytes_max"]) for r in ok if r["world_size"] == p)
-        ax.plot([t for t, _ in pts], [m / 2**30 for _, m in pts], marker="o", label=f"P={p}")
-    ax.set(xlabel="sequence length T", ylabel="peak memory per rank (GiB)", title="Memory")
-    ax.set_xscale("log", base=2)
-    ax.legend()
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, "memory_vs_seq.png"))
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    for name, fig in (("throughput_vs_p.png", throughput_figure(ok)),
+                      ("memory_vs_seq.png", memory_figure(ok))):
+        paths.append(os.path.join(out_dir, name))
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
     return paths
 
 
+def _check_resources(path: str, have: dict[str, float], need: int, use_gpu: bool,
+                     where: str) -> None:
+    """A CPU per worker (Ray Train's default) and a GPU each with use_gpu, for the
+    largest world size; Ray would otherwise wait for them forever."""
+    for res, key in (("CPU", "num_cpus"), *((("GPU", "num_gpus"),) if use_gpu else ())):
+        if have.get(res, 0) < need:
+            raise ConfigError(
+                f"{path}: [ray] {key}: the {where} has {have.get(res, 0):g} {res}s, and the "
+                f"largest world size in world_sizes needs {need} (one per worker); raise "
+                f"{key} or drop the larger world sizes"
+            )
+
+
+# Lines of Ray's own machinery that say nothing about the sweep (a quarter of the output
+# otherwise); worker lines are kept, and errors of any actor.
+_NOISE = re.compile(
+    r"PlacementGroupCleaner|Failed to query Ray Train Controller|core_worker\.cc|"
+    r"Requesting resources|Attempting to start training worker group|"
+    r"Started training worker group|world_rank=\d+, local_rank=|Setting up process group|"
+    r"Reporting training result|Megatron-FSDP|learning rate decay style|"
+    r"Transformer Engine and Apex|warnings\.warn\(|UserWarning"
+)
+_PREFIX = re.compile(r"^(?:\x1b\[[0-9;]*m)*\((\w+) pid=\d+(?:, ip=[^)]*)?\)(?:\x1b\[[0-9;]*m)* ?")
+
+
+class _SweepOutput:
+    """A text stream in front of stdout/stderr while Ray runs: drops Ray's noise, prints
+    each worker line once (Ray Train echoes worker output twice), prefixes the grid point."""
+
+    def __init__(self, stream: TextIO, seen: deque[str]):
+        self.stream, self.seen, self._buf = stream, seen, ""
+        self.point = ""
+
+    def write(self, text: str) -> int:
+        self._buf += text
+        *lines, self._buf = self._buf.split("\n")
+        for line in lines:
+            self._line(line)
+        return len(text)
+
+    def _line(self, line: str) -> None:
+        m = _PREFIX.match(line)
+        if m is None:  # the driver's own lines
+            self.stream.write(line + "\n")
+            return
+        actor, body = m.group(1), line[m.end():]
+        if _NOISE.search(body) or (actor != "RayTrainWorker" and "rror" not in body):
+            return
+        if not body.strip() or body in self.seen:
+            return
+        self.seen.append(body)
+        self.stream.write(f"[sweep {self.point}] {body}\n" if self.point else body + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding ...
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def _filtered_output() -> Iterator[list[_SweepOutput]]:
+    """Route sys.stdout/sys.stderr through :class:`_SweepOutput` (Ray prints worker lines
+    through them in the driver); restored on exit."""
+    seen: deque[str] = deque(maxlen=256)
+    out, err = _SweepOutput(sys.stdout, seen), _SweepOutput(sys.stderr, seen)
+    sys.stdout, sys.stderr = out, err  # type: ignore[assignment]
+    try:
+        yield [out, err]
+    finally:
+        sys.stdout, sys.stderr = out.stream, err.stream
+        for s in (out, err):
+            if s._buf:
+                s.stream.write(s._buf + "\n")
+            s.stream.flush()
+
+
+def _shutdown_on_signal() -> None:
+    """SIGTERM (a scheduler's stop) ends the driver through ``finally`` (ray.shutdown)."""
+    def handler(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
+        signal.signal(signal.SIGTERM, handler)
+
+
 def sweep(config_path: str, output_dir: str | None = None) -> list[dict[str, Any]]:
-    """Run the grid; every point is validated before Ray starts."""
+    """Run the grid; the file, every point and the resources are checked before Ray
+    starts any worker."""
     sweep_cfg = load_config(config_path)
     out = os.path.abspath(output_dir or sweep_cfg.get("output_dir", "runs/sweep"))
     use_gpu = bool(sweep_cfg.get("use_gpu", False))
     grid = [(p, t) for p in sweep_cfg["world_sizes"] for t in sweep_cfg["seq_lengths"]]
-    points = [(p, t, point_config(sweep_cfg, p, t)) for p, t in grid]
-    for p, _, cfg in points:
-        validate(cfg, p)  # a bad grid fails here, before any worker starts
-    import ray
-
+    points = []
+    for p, t in grid:
+        try:
+            cfg = point_config(sweep_cfg, p, t)
+            validate(cfg, p)  # a bad grid fails here, before any worker starts
+        except ConfigError as e:
+            raise ConfigError(f"{config_path}: world size {p}, seq length {t}: {e}") from None
+        points.append((p, t, cfg))
+    need = max(sweep_cfg["world_sizes"])
     ray_args = dict(sweep_cfg.get("ray", {}))
     if "address" not in ray_args:
-        ray_args.setdefault("num_cpus", max(sweep_cfg["world_sizes"]) + 1)
+        ray_args.setdefault("num_cpus", need + 1)
         ray_args.setdefault("_node_ip_address", "127.0.0.1")  # a local cluster stays local
-    ray.init(include_dashboard=False, log_to_driver=True, **ray_args)
+        have = {"CPU": ray_args["num_cpus"], "GPU": ray_args.get("num_gpus", 0)}
+        if use_gpu and "num_gpus" not in ray_args:
+            have["GPU"] = _local_gpus()
+        _check_resources(config_path, have, need, use_gpu, "local cluster")
+    import ray
+
+    _shutdown_on_signal()
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     rows: list[dict[str, Any]] = []
-    try:
-        for p in sweep_cfg["world_sizes"]:
-            # ascending T: a point that runs out of memory ends only the longer ones
-            mine = sorted((c for q, _, c in points if q == p), key=lambda c: c.seq_length)
-            print(f"[sweep] P={p}: T in {[c.seq_length for c in mine]} ...", flush=True)
-            try:
-                got = _run_world_size(mine, p, use_gpu, os.path.join(out, "ray_results"))
-                error = None
-            except Exception as e:  # a failed P (e.g. out of memory) does not end the grid
-                got, error = {}, f"{type(e).__name__}: {e}"[:2000]
-                print(f"[sweep] P={p} failed: {error[:300]}", flush=True)
-            for c in mine:
-                t = c.seq_length
-                row: dict[str, Any] = {"world_size": p, "cp": c.context_parallel_size}
-                row["seq_length"] = t
-                if str(t) in got:
-                    row.update(got[str(t)], status="ok")
-                    print(
-                        f"[sweep] P={p} T={t:,}: {row['tokens_per_s']:,.0f} tok/s, step "
-                        f"{row['step_time_s']:.2f} s, peak "
-                        f"{row['peak_mem_bytes_max'] / 2**30:.2f} GiB/rank, loss "
-                        f"{row['loss_first']:.3f} -> {row['loss_last']:.3f}",
-                        flush=True,
-                    )
-                else:
-                    row.update(status="failed", error=error or "no result")
-                rows.append(row)
-    finally:
-        ray.shutdown()
+    with _filtered_output() as streams:
+        try:
+            ray.init(include_dashboard=False, log_to_driver=True, **ray_args)
+            if "address" in ray_args:  # a running cluster: ask it
+                _check_resources(config_path, ray.cluster_resources(), need, use_gpu,
+                                 f"cluster at {ray_args['address']}")
+            _run_grid(sweep_cfg, points, use_gpu, out, rows, streams)
+        finally:
+            ray.shutdown()  # ends every actor of this driver, on errors and signals too
     for path in write_outputs(rows, out):
         print(f"[sweep] wrote {path}", flush=True)
     return rows
+
+
+def _local_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _run_grid(
+    sweep_cfg: dict[str, Any],
+    points: list[tuple[int, int, TrainConfig]],
+    use_gpu: bool,
+    out: str,
+    rows: list[dict[str, Any]],
+    streams: list[_SweepOutput],
+) -> None:
+    """One TorchTrainer per world size; appends a row per grid point to ``rows``."""
+    for p in sweep_cfg["world_sizes"]:
+        # ascending T: a point that runs out of memory ends only the longer ones
+        mine = sorted((c for q, _, c in points if q == p), key=lambda c: c.seq_length)
+        for st in streams:
+            st.point = f"P={p}"
+        print(f"[sweep] P={p}: T in {[c.seq_length for c in mine]} ...", flush=True)
+        try:
+            got = _run_world_size(mine, p, use_gpu, os.path.join(out, "ray_results"))
+            error = None
+        except Exception as e:  # a failed P (e.g. out of memory) does not end the grid
+            got, error = {}, f"{type(e).__name__}: {e}"[:2000]
+            print(f"[sweep] P={p} failed: {error[:300]}", flush=True)
+        for c in mine:
+            t = c.seq_length
+            row: dict[str, Any] = {"world_size": p, "cp": c.context_parallel_size}
+            row["seq_length"] = t
+            if str(t) in got:
+                row.update(got[str(t)], status="ok")
+                print(
+                    f"[sweep] P={p} T={t:,}: {row['tokens_per_s']:,.0f} tok/s, step "
+                    f"{row['step_time_s']:.2f} s, peak "
+                    f"{row['peak_mem_bytes_max'] / 2**30:.2f} GiB/rank, loss "
+                    f"{row['loss_first']:.3f} -> {row['loss_last']:.3f}",
+                    flush=True,
+                )
+            else:
+                row.update(status="failed", error=error or "no result")
+            rows.append(row)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -244,7 +471,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("config", help="Sweep config (.json or .toml).")
     ap.add_argument("--output-dir", default=None, help="Overrides output_dir in the config.")
     a = ap.parse_args(argv)
+    from hla_sp.launch.extras import require
+
     try:
+        require("ray", "hla-sp sweep")
+        require("megatron", "hla-sp sweep")  # the workers run the trainer
         rows = sweep(a.config, a.output_dir)
     except ConfigError as e:
         print(f"hla-sp sweep: error: {e}", file=sys.stderr)
