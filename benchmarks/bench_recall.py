@@ -15,10 +15,11 @@ in ``docs/quality.md``.
 
     python benchmarks/bench_recall.py                 # the sweep (about 30 min, 2 cores)
     python benchmarks/bench_recall.py --sizes 64x4 --mixers linear,hla2 --steps 1000
+    python benchmarks/bench_recall.py --sizes 64x4 --mixers all --name recall_study
     python benchmarks/bench_recall.py --out benchmarks/results   # refresh committed figures
 
-Writes ``recall.json`` and ``recall.png`` (accuracy against steps) under ``--out``
-(default ``runs/bench_recall``).
+Writes ``<name>.json`` and ``<name>.png`` (accuracy against steps) under ``--out``
+(default ``runs/bench_recall``, name ``recall``).
 """
 
 from __future__ import annotations
@@ -52,15 +53,20 @@ MIXERS: dict[str, dict[str, Any] | None] = {
     "hla2": {"operator": "hla2"},
     "ahla": {"operator": "ahla"},
     "hla3": {"operator": "hla3"},
-    # The studied variants: the operators without the first-order path (the layer's
-    # defaults before the recall study), and without the output norm as well.
+    # The studied variants. "-pure": without the first-order path; "-noconv": without the
+    # short convolution; "-pure-noconv" is the layer's default before this study.
+    "linear-noconv": {"operator": "linear", "short_conv": 0},
+    "hla2-noconv": {"operator": "hla2", "short_conv": 0},
     "hla2-pure": {"operator": "hla2", "first_order": False},
-    "hla2-pure-no-onorm": {"operator": "hla2", "first_order": False, "output_norm": False},
-    "ahla-pure": {"operator": "ahla", "first_order": False},
-    "hla3-pure": {"operator": "hla3", "first_order": False},
+    "hla2-pure-noconv": {"operator": "hla2", "first_order": False, "short_conv": 0},
+    "hla2-pure-noconv-no-onorm": {"operator": "hla2", "first_order": False, "short_conv": 0,
+                                  "output_norm": False},
+    "ahla-noconv": {"operator": "ahla", "short_conv": 0},
+    "ahla-pure-noconv": {"operator": "ahla", "first_order": False, "short_conv": 0},
+    "hla3-noconv": {"operator": "hla3", "short_conv": 0},
+    "hla3-pure-noconv": {"operator": "hla3", "first_order": False, "short_conv": 0},
 }
-DEFAULT_MIXERS = ("softmax", "linear", "hla2", "ahla", "hla3", "hla2-pure", "ahla-pure",
-                  "hla3-pure")
+DEFAULT_MIXERS = ("softmax", "linear", "hla2", "ahla", "hla3", "hla2-pure-noconv")
 # (T, pairs) -> batch: tokens per step are the same at every size.
 SIZES = {(64, 4): 64, (128, 8): 32, (256, 16): 16}
 
@@ -242,9 +248,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)),
                     help="runs in parallel, one thread each")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_recall")
+    ap.add_argument("--name", default="recall", help="stem of the JSON and PNG files")
     ap.add_argument("--quick", action="store_true", help="a smoke run: T=16, 2 pairs, 6 steps")
     a = ap.parse_args(argv)
-    mixers = [m.strip() for m in a.mixers.split(",") if m.strip()]
+    mixers = list(MIXERS) if a.mixers == "all" else [
+        m.strip() for m in a.mixers.split(",") if m.strip()]
     for m in mixers:
         if m not in MIXERS:
             raise SystemExit(f"--mixers: unknown mixer {m!r}; choose from {', '.join(MIXERS)}")
@@ -269,9 +277,9 @@ def main(argv: list[str] | None = None) -> None:
             "machine": {"python": sys.version.split()[0], "torch": torch.__version__,
                         "cpu": platform.processor() or platform.machine(), "jobs": a.jobs},
             "results": results}
-    (a.out / "recall.json").write_text(json.dumps(data, indent=1))
-    plot(results, a.out / "recall.png")
-    print(f"wrote {a.out / 'recall.json'} and {a.out / 'recall.png'}")
+    (a.out / f"{a.name}.json").write_text(json.dumps(data, indent=1))
+    plot(results, a.out / f"{a.name}.png")
+    print(f"wrote {a.out / (a.name + '.json')} and {a.out / (a.name + '.png')}")
 
 
 if __name__ == "__main__":
