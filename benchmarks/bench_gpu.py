@@ -1,6 +1,6 @@
 """GPU check of the Triton kernels: correctness in fp32 and bf16, then timings.
 
-    python benchmarks/bench_gpu.py --out benchmarks/results/gpu_check.json   (one GPU)
+    python benchmarks/bench_gpu.py            (one GPU; JSON to runs/bench/gpu_check.json)
     python benchmarks/bench_gpu.py --dry-run                                 (CPU, interpreter)
 
 Correctness: ``linear_attention`` (Triton) and ``hla2`` (the composition on Triton, and
@@ -316,7 +316,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dry-run", action="store_true",
                    help="tiny shapes on CPU under TRITON_INTERPRET=1 (exercises the script)")
-    p.add_argument("--out", default="benchmarks/results/gpu_check.json", help="JSON output")
+    p.add_argument("--out", default="runs/bench/gpu_check.json", help="JSON output")
     p.add_argument("--seqlens", default="8192,32768,131072", help="comma-separated T")
     p.add_argument("--skip-check", action="store_true", help="timings only")
     args = p.parse_args()

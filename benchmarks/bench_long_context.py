@@ -12,9 +12,10 @@ allocator peak on GPU; it includes about 0.5 GiB of interpreter, torch and megat
    tokens, plus a few summary matrices; ``per_rank`` checks this), the per-token slope
    and the fixed part are fitted, and the peak at 1M / CP = 4 is projected from them.
 
-Writes ``benchmarks/results/long_context.json`` and ``long_context.png``.
+Writes ``long_context.json`` and ``long_context.png`` to ``--out`` (default
+``runs/bench``; ``--out benchmarks/results`` refreshes the committed figures).
 
-    python benchmarks/bench_long_context.py                       # everything (heavy)
+    python benchmarks/bench_long_context.py                       # everything (~15 min)
     python benchmarks/bench_long_context.py --only sizes per_rank # a part
 """
 
@@ -249,7 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target-seq", type=int, default=1048576)
     ap.add_argument("--target-cp", type=int, default=4)
     ap.add_argument("--budget-gib", type=float, default=24.0)
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    # runs/bench unless --out benchmarks/results refreshes the committed figures
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "runs", "bench"),
+                    help="output folder (default runs/bench; the committed figures are in "
+                         "benchmarks/results)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     tmp = os.path.join(args.out, "long_context_runs.tmp")

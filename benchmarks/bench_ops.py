@@ -1,10 +1,11 @@
 """Operator benchmark on CPU: hla2 against causal SDPA, linear_attention and the recurrence.
 
-fp32, forward + backward, B=1, H=4, K=V=64, T from 1k to 64k. Writes
-``benchmarks/results/ops.json`` and ``benchmarks/results/ops.png``.
+fp32, forward + backward, B=1, H=4, K=V=64, T from 1k to 64k. Writes ``ops.json`` and
+``ops.png`` to ``--out``: ``runs/bench`` by default, ``benchmarks/results`` for the
+committed figures (docs/benchmarks.md gives each command's duration).
 
-    python benchmarks/bench_ops.py            # the full run (tens of minutes on 2 cores)
-    python benchmarks/bench_ops.py --quick    # small T, a smoke test in seconds
+    python benchmarks/bench_ops.py            # the full run, with the 16k profile
+    python benchmarks/bench_ops.py --quick    # small T, a smoke test
 
 Timing: every (op, T) point is repeated and the median is reported. The ops of one T
 are run round-robin, so a burst of load from other processes on a shared machine
@@ -45,7 +46,9 @@ FULL_TS = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
 QUICK_TS = [256, 512]
 OPS = ["hla2", "linear_attention", "sdpa", "recurrent_hla2"]
 NOT_RUN = "not run"
-RESULTS = Path(__file__).resolve().parent / "results"
+# runs/bench by default: only --out benchmarks/results replaces the committed figures
+# that docs/benchmarks.md cites (--quick, a smoke test, must never do that by accident)
+RESULTS = Path(__file__).resolve().parents[1] / "runs" / "bench"
 
 # Targets of issue 2, reported against, never asserted.
 TARGET_SPEEDUP_VS_SDPA_16K = 10.0
@@ -414,7 +417,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunk-sizes", type=int, nargs="+", default=[32, 64, 128],
                    help="chunk sizes for the profile's sweep")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--out", type=Path, default=RESULTS, help="folder for ops.json and ops.png")
+    p.add_argument("--out", type=Path, default=RESULTS, help="folder for ops.json and ops.png (default runs/bench; "
+                   "benchmarks/results holds the committed figures)")
     p.add_argument("--reanalyse", type=Path, default=None,
                    help="recompute the analysis and plot of an existing ops.json, no timing")
     p.add_argument("--memory-child", nargs=2, metavar=("OP", "T"), help=argparse.SUPPRESS)

@@ -2,11 +2,13 @@
 
 Each task is a module-level function ``fn(rank, world_size, ...)`` run on every rank;
 the bench_sp_*.py scripts start worlds, run these tasks and write JSON + PNG into
-benchmarks/results/.
+``--out`` (default ``runs/bench/``; ``--out benchmarks/results`` refreshes the
+committed figures that docs/parallel.md cites).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import resource
 import sys
@@ -21,11 +23,24 @@ import hla_sp
 from hla_sp.parallel import SequenceParallel, reset_traffic, shard, traffic
 from hla_sp.parallel.comm import blocked_seconds
 
-RESULTS = Path(__file__).resolve().parent / "results"
+COMMITTED = Path(__file__).resolve().parent / "results"
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "runs" / "bench"
+
+
+def results_dir(argv: list[str] | None = None) -> Path:
+    """``--out DIR`` of the script's command line, else runs/bench: a run replaces the
+    committed figures in benchmarks/results only when asked to."""
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    return ap.parse_known_args(sys.argv[1:] if argv is None else argv)[0].out
+
+
+# The bench_sp_* scripts take no other flags; their output folder is read once, here.
+RESULTS = results_dir()
 
 
 def save(name: str, data: dict[str, Any]) -> Path:
-    """Write benchmarks/results/<name>.json and return its path."""
+    """Write RESULTS/<name>.json (``--out``) and return its path."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     data = {"python": sys.version.split()[0], "torch": torch.__version__, **data}
     path = RESULTS / f"{name}.json"

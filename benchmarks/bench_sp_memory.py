@@ -4,7 +4,8 @@ Each configuration runs in a fresh world (peak RSS only ever grows), after a sma
 warm-up call; reported is the growth of the peak during the measured call. Beside
 it, the single process on the whole T = P x T/P tokens.
 
-    python benchmarks/bench_sp_memory.py        # -> benchmarks/results/sp_memory.{json,png}
+    python benchmarks/bench_sp_memory.py        # -> runs/bench/sp_memory.{json,png}
+    python benchmarks/bench_sp_memory.py --out benchmarks/results   # the committed figures
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ this length would need ~2x the memory of the fp32 run, so here the fp32 single-p
 result stands in as reference and the bound is taken from its own error on a
 1/64 prefix (T/64 tokens), where fp64 fits.
 
-    python benchmarks/bench_sp_million.py       # -> benchmarks/results/sp_million.json
+    python benchmarks/bench_sp_million.py       # -> runs/bench/sp_million.json
+    python benchmarks/bench_sp_million.py --out benchmarks/results   # the committed figures
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ rank sits waiting for the forward exchange with overlap and without:
 
     hidden_share_blocked = 1 - blocked(fwd) / blocked(fwd_no_overlap)
 
-    python benchmarks/bench_sp_overhead.py      # -> benchmarks/results/sp_overhead.{json,png}
+    python benchmarks/bench_sp_overhead.py      # -> runs/bench/sp_overhead.{json,png}
+    python benchmarks/bench_sp_overhead.py --out benchmarks/results   # the committed figures
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Against T at fixed P (flat), and against P at fixed T, for every exchange method
 both layouts; beside it the activation traffic of ring attention (softmax context
 parallelism) at the same T, P, H, K, and the ratio at T = 1M, P = 8.
 
-    python benchmarks/bench_sp_traffic.py       # -> benchmarks/results/sp_traffic.{json,png}
+    python benchmarks/bench_sp_traffic.py       # -> runs/bench/sp_traffic.{json,png}
+    python benchmarks/bench_sp_traffic.py --out benchmarks/results   # the committed figures
 
 Ring attention (per rank, per layer): forward, P-1 steps each sending the local K,V
 block, (T/P) H (K+V) elements; backward, the K,V block again plus the dK,dV

@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
-OUT=${1:-benchmarks/results/gpu_check.json}
+OUT=${1:-runs/bench/gpu_check.json}
 unset TRITON_INTERPRET HLA_SP_BACKEND
 
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device')"

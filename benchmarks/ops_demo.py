@@ -6,7 +6,7 @@
 2. Prints a small speed table, forward + backward: hla2, linear_attention and
    causal softmax attention (torch SDPA).
 
-    python benchmarks/ops_demo.py          # or: make demo
+    python benchmarks/ops_demo.py          # or: make demo-ops
 
 Exits non-zero if any check fails. The speed table is information, not a check.
 """
