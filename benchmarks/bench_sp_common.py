@@ -140,7 +140,7 @@ def _exchange_only(sp: SequenceParallel, q, k, v) -> None:
     from hla_sp.parallel import summaries as S
 
     x = check_inputs(q, k, v, log_decay=None, scale=None, cu_seqlens=None, sp=sp, chunk_size=64)
-    plan = sp.check_call(x, op="hla2", options=(False, 0.0, 1e-6))
+    plan = sp.check_call(x, op="hla2", options=dict(normalize=False, ridge=0.0, eps=1e-6))
     B, _, H, K = q.shape
     for Vd in (K, v.shape[-1]):
         shape = S.SummaryShape(B, H, K, Vd)

@@ -9,6 +9,11 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
+import tempfile
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -94,8 +99,9 @@ def test_mismatch_raises_on_every_rank(world, P: int) -> None:
         "K": "K differs: 4 on ranks", "dtype": "dtype differs: torch.float64 on ranks [0]",
         "cu_seqlens": "cu_seqlens differs", "total": "cu_seqlens[-1] = ",
         "method": "method differs: 'ring' on ranks [0]",
-        "op": "operator differs: 'ahla' on ranks [0", "options": "options differs",
-        "final": "options differs",
+        "op": "operator differs: 'ahla' on ranks [0",
+        "options": "option 'normalize' differs: True on ranks [0], False on ranks [1",
+        "final": "option 'output_final_state' differs: True on ranks [0], False on ranks [1",
         "zigzag": "zigzag layout needs the same even local T",
     }
     for rank, seen in enumerate(per_rank):
@@ -105,6 +111,95 @@ def test_mismatch_raises_on_every_rank(world, P: int) -> None:
             assert text in line, (rank, line)
         # Every rank raised the same message.
         assert seen == per_rank[0]
+
+
+def _replicated_mismatch_task(rank: int, P: int) -> list[str]:
+    """Values every rank must share (scale, initial state, per-head decay, options):
+    one rank differs in each scenario; return what every rank raised (or computed)."""
+    T = 8 * P
+    q, k, v = _inputs(T // P)
+    sp = SequenceParallel(check_timeout_s=30.0)
+    gen = torch.Generator().manual_seed(7)
+    h0 = torch.randn(1, 2, 4, 3, generator=gen)
+    S0 = torch.randn(1, 2, 4, 4, generator=gen)
+    S0 = S0 + S0.transpose(-1, -2)
+    H0 = torch.randn(1, 2, 4, 3, generator=gen)
+    g = torch.full((2,), -0.1)
+    seen = []
+
+    def attempt(name, fn):
+        start = time.monotonic()
+        try:
+            fn()
+            seen.append(f"{name}: no error")
+        except ValueError as e:
+            seen.append(f"{name}: {e}")
+        assert time.monotonic() - start < 20, name  # within seconds, not a timeout
+
+    one = rank == 1
+    attempt("scale", lambda: hla_sp.hla2(q, k, v, scale=1.0 if one else 0.5, sp=sp))
+    attempt("scale_la", lambda: hla_sp.linear_attention(q, k, v, scale=1.0 if one else 0.5,
+                                                        sp=sp))
+    attempt("h0_one_rank", lambda: hla_sp.linear_attention(
+        q, k, v, initial_state=h0 if rank == 0 else None, sp=sp))
+    attempt("h0_values", lambda: hla_sp.linear_attention(
+        q, k, v, initial_state=h0 + one, sp=sp))
+    attempt("state_values", lambda: hla_sp.hla2(
+        q, k, v, initial_state=(S0, H0 * (2.0 if one else 1.0)), sp=sp))
+    attempt("state_one_rank", lambda: hla_sp.hla3(
+        q, k, v, initial_state=None if one else (S0, torch.zeros(1, 2, 4, 3), H0), sp=sp))
+    attempt("decay_given", lambda: hla_sp.ahla(q, k, v, log_decay=None if one else g, sp=sp))
+    attempt("decay_kind", lambda: hla_sp.hla2(
+        q, k, v, log_decay=torch.full((1, T // P, 2), -0.1) if one else g, sp=sp))
+    attempt("decay_values", lambda: hla_sp.hla2(q, k, v, log_decay=g * (1 + one), sp=sp))
+    attempt("ridge", lambda: hla_sp.hla2(q, k, v, ridge=0.25 if one else 0.0, sp=sp))
+    attempt("eps", lambda: hla_sp.hla2(q, k, v, normalize=True, eps=1e-3 if one else 1e-6,
+                                       sp=sp))
+    from hla_sp.nn import grouped_operator
+
+    qg = torch.cat([q, q], dim=2)  # 4 query heads over 2 kv heads
+    mix = torch.full((4,), 0.5 + one)
+    attempt("key_mix", lambda: grouped_operator("hla2", qg, k, v, key_mix=mix, sp=sp))
+    # Agreeing ranks still run, with a per-token decay and an initial state: no error.
+    attempt("agree", lambda: hla_sp.hla2(q, k, v, log_decay=torch.full((1, T // P, 2), -0.1),
+                                         initial_state=(S0, H0), sp=sp))
+    return seen
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("P", [2, 3])
+def test_replicated_values_must_agree(world, P: int) -> None:
+    per_rank = world(P).run(_replicated_mismatch_task, timeout=90)
+    rest = "[0]" if P == 2 else "[0, 2]"
+    expect = {
+        "scale": f"scale differs: 0.5 on ranks {rest}, 1.0 on ranks [1]",
+        "scale_la": f"scale differs: 0.5 on ranks {rest}, 1.0 on ranks [1]",
+        "h0_one_rank": "option 'initial_state' differs: given with values digest ",
+        "h0_values": "option 'initial_state' differs: given with values digest ",
+        "state_values": "option 'initial_state' differs: given with values digest ",
+        "state_one_rank": "option 'initial_state' differs: given with values digest ",
+        "decay_given": f"log_decay differs: per-head constant on ranks {rest}, None on "
+                       "ranks [1]",
+        "decay_kind": f"log_decay differs: per-head constant on ranks {rest}, per token on "
+                      "ranks [1]",
+        "decay_values": "log_decay values differs: digest ",
+        "ridge": f"option 'ridge' differs: 0.0 on ranks {rest}, 0.25 on ranks [1]",
+        "eps": f"option 'eps' differs: 1e-06 on ranks {rest}, 0.001 on ranks [1]",
+        "key_mix": "option 'key_mix' differs: given with values digest ",
+        "agree": "agree: no error",
+    }
+    for rank, seen in enumerate(per_rank):
+        assert len(seen) == len(expect)
+        for line, (name, text) in zip(seen, expect.items()):
+            assert line.startswith(f"{name}: "), (rank, line)
+            assert text in line, (rank, line)
+        assert seen == per_rank[0]  # every rank raised the same message
+    lines = dict(zip(expect, per_rank[0]))
+    assert "None on ranks [1" in lines["h0_one_rank"]
+    assert "None on ranks [1]" in lines["state_one_rank"]
+    # Only the differing option is named.
+    for name in ("ridge", "eps", "scale"):
+        assert lines[name].count("differs") == 1, lines[name]
 
 
 def _direct_primitive_task(rank: int, P: int) -> str:
@@ -221,6 +316,55 @@ def test_a_rank_failing_its_own_checks_does_not_hang_the_others() -> None:
     assert sorted(errors) == [0, 1]
     assert "k: expected shape" in errors[1][1]
     assert "not every rank of the group joined the agreement check" in errors[0][1]
+
+
+def _crashing_peer(rank: int, init_file: str, out) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=2)
+    dist.barrier()
+    if rank == 1:
+        time.sleep(0.5)
+        os._exit(3)  # a crash: no error raised, no clean shutdown
+    q, k, v = _inputs(4)
+    start = time.monotonic()
+    try:
+        hla_sp.linear_attention(q, k, v, sp=SequenceParallel(check_timeout_s=60.0))
+        out.put(("no error", time.monotonic() - start))
+    except RuntimeError as e:
+        out.put((str(e), time.monotonic() - start))
+    out.close()
+    out.join_thread()  # flush the queue's feeder thread before the hard exit
+    os._exit(0)  # the group is broken: skip its teardown
+
+
+@pytest.mark.timeout(120)
+def test_a_crashed_peer_is_reported_first_with_the_real_elapsed_time() -> None:
+    """A peer that dies makes the survivors raise at once: the message leads with the
+    real cause and the time actually waited, not "within 600.0 s"."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="hla_sp_crash_") as d:
+        out = ctx.Queue()
+        procs = [ctx.Process(target=_crashing_peer, args=(r, os.path.join(d, "rdv"), out),
+                             daemon=True) for r in range(2)]
+        for p in procs:
+            p.start()
+        try:
+            msg, elapsed = out.get(timeout=90)
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+    assert procs[1].exitcode == 3
+    assert elapsed < 30, (elapsed, msg)
+    assert msg.startswith("SequenceParallel: the agreement check of this linear_attention "
+                          "call failed after "), msg
+    shown = float(msg.split("failed after ")[1].split(" s:")[0])
+    assert abs(shown - elapsed) < 1.0, (shown, elapsed, msg)
+    assert "60.0" not in msg and "within" not in msg, msg
+    cause = msg.split(" s: ", 1)[1]
+    assert cause.startswith("Connection closed by peer"), msg
 
 
 def test_long_shard_summary_is_accurate_in_fp32() -> None:

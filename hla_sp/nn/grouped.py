@@ -111,7 +111,7 @@ class _Stages:
             # The interleaved shard is a call of its own (local T * G, offsets * G).
             xi = validate.check_inputs(qi, ki, vi, log_decay=gi, scale=1.0, cu_seqlens=cu,
                                        sp=self.sp, chunk_size=self.chunk_size)
-            self.shared_plan = self.sp.check_call(xi, op=f"gqa-shared-stage/{G}", options=())
+            self.shared_plan = self.sp.check_call(xi, op=f"gqa-shared-stage/{G}", options={})
         o, final = self._primitive(qi, ki, vi, gi, h0, cu, self.shared_plan)
         V = v.shape[-1]
         return o.view(B, T, G, Hkv, V).transpose(2, 3).reshape(B, T, Hq, V), final
@@ -223,9 +223,9 @@ def grouped_operator(
     s0 = validate.check_state_tuple(initial_state, fields, q)
     plan = None
     if sp is not None:
-        plan = sp.check_call(x, op=f"{operator}/gqa{G}", options=(
-            normalize, ridge, eps, key_mix is not None, value_mix is not None,
-            output_final_state))
+        plan = sp.check_call(x, op=f"{operator}/gqa{G}", options=dict(
+            normalize=normalize, ridge=ridge, eps=eps, key_mix=key_mix, value_mix=value_mix,
+            output_final_state=output_final_state, initial_state=s0))
     stages = _Stages(G, x.g, cu_seqlens=x.cu_seqlens, want_final=output_final_state,
                      chunk_size=x.chunk_size, sp=sp, plan=plan)
     cdt = compute_dtype(q.dtype)

@@ -306,8 +306,8 @@ class HLAHeads(nn.Module):
                                   cu_seqlens=cu_seqlens, sp=sp, chunk_size=self.chunk_size)
         plan = None
         if sp is not None:
-            plan = sp.check_call(x, op=f"short-conv/{self.short_conv}", options=(
-                conv_state is not None, want_final))
+            plan = sp.check_call(x, op=f"short-conv/{self.short_conv}", options=dict(
+                conv_initial_state=conv_state, output_final_state=want_final))
             bounds = None if plan.bounds is None else list(plan.bounds)
         else:
             bounds = None if x.cu_seqlens is None else [int(c) for c in x.cu_seqlens.tolist()]

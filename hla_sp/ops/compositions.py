@@ -207,7 +207,9 @@ def _run(
     plan = None
     if sp is not None:
         # output_final_state decides whether the final states are all-reduced: agree on it.
-        plan = sp.check_call(x, op=operator, options=(normalize, ridge, eps, output_final_state))
+        plan = sp.check_call(x, op=operator, options=dict(
+            normalize=normalize, ridge=ridge, eps=eps, output_final_state=output_final_state,
+            initial_state=state0))
     cdt = compute_dtype(x.q.dtype)
 
     def stage(qs: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, h0: torch.Tensor | None):

@@ -11,6 +11,7 @@ collectives and nothing of the call is stored on the ``sp`` object.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -21,9 +22,18 @@ from hla_sp.ops.validate import Inputs
 class SequenceParallelism(Protocol):
     """How a sequence is sharded over ranks; passed as ``sp=`` to every operator."""
 
-    def check_call(self, inputs: Inputs, *, op: str, options: tuple) -> Any:
+    def check_call(
+        self,
+        inputs: Inputs,
+        *,
+        op: str,
+        options: Mapping[str, object] | Sequence[tuple[str, object]],
+    ) -> Any:
         """Check that every rank agrees on this call (the same error on every rank
-        otherwise); return the call's plan, an immutable object the stages pass back."""
+        otherwise, naming what differs: ``options`` maps each option's name to its
+        value; a tensor or tuple of tensors, such as an initial state, is compared by
+        a digest of its values); return the call's plan, an immutable object the
+        stages pass back."""
         ...
 
     def primitive(
