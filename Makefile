@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 EXTRAS ?= dev,triton,megatron,ray
 
-.PHONY: setup setup-megatron test test-slow lint demo demo-ops demo-1m bench bench-sp gpu-check clean
+.PHONY: setup setup-megatron test test-slow lint demo demo-ops demo-1m demo-recall bench bench-sp bench-recall bench-lm gpu-check clean
 
 $(STAMP): pyproject.toml requirements-cpu.txt
 	python3 -m venv $(VENV)
@@ -76,6 +76,16 @@ demo-1m: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_ops.py --threads 1
+
+# Does the layer learn from context? MQAR for every mixer (about 30 min), then the
+# variants of the study (about 20 min), then byte-level language modelling (about 15 min).
+bench-recall: $(STAMP)
+	$(PY) benchmarks/bench_recall.py --out benchmarks/results
+	$(PY) benchmarks/bench_recall.py --sizes 64x4 --mixers all --name recall_study --out benchmarks/results
+	$(PY) benchmarks/diagnose_recall.py --out benchmarks/results
+
+bench-lm: $(STAMP)
+	$(PY) benchmarks/bench_lm.py --out benchmarks/results
 
 bench-sp: $(STAMP)
 	for b in traffic overhead memory million; do $(PY) benchmarks/bench_sp_$$b.py || exit 1; done

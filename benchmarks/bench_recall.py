@@ -264,14 +264,20 @@ def main(argv: list[str] | None = None) -> None:
         jobs += [(m, T, pairs, steps, batch, a.lr, a.seed, 2 if a.quick else 10) for m in mixers]
     a.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    results = []
+
+    def report(r: dict[str, Any]) -> None:
+        results.append(r)
+        print(f"T={r['T']:4d} pairs={r['pairs']:3d} {r['mixer']:26s} acc {r['acc']:.3f} "
+              f"loss {r['loss']:.3f}  ({r['seconds']:.0f} s)", flush=True)
+
     if a.jobs > 1:
         with ProcessPoolExecutor(a.jobs) as pool:
-            results = list(pool.map(_job, jobs))
+            for r in pool.map(_job, jobs):  # in submission order, each as soon as it is done
+                report(r)
     else:
-        results = [_job(j) for j in jobs]
-    for r in results:
-        print(f"T={r['T']:4d} pairs={r['pairs']:3d} {r['mixer']:20s} acc {r['acc']:.3f} "
-              f"loss {r['loss']:.3f}  ({r['seconds']:.0f} s)", flush=True)
+        for j in jobs:
+            report(_job(j))
     data = {"task": "MQAR (Zoology)", "vocab": VOCAB, "d_model": D_MODEL, "layers": LAYERS,
             "heads": HEADS, "eval_samples": EVAL_SAMPLES, "wall_seconds": time.perf_counter() - t0,
             "machine": {"python": sys.version.split()[0], "torch": torch.__version__,

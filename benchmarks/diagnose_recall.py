@@ -7,10 +7,11 @@ linear layer and today's hla2 default:
 
 1. k~_t = S_t q_t along T: its norm against the key's (1 after the qk-norm);
 2. the key moment S_T: the share of its trace that the filler token brings, the share
-   of its top eigenvalue, and its condition number;
-3. the outputs before the per-head RMSNorm: the mean cosine between the outputs of two
-   query positions of one sequence and head (1: every position says the same thing,
-   and the norm leaves only that common direction);
+   of its top eigenvalue, and its effective rank;
+3. the outputs before the per-head RMSNorm: the spread of their norms over positions
+   (p95 / p5: the norm's gradient scales as 1 / |o_t|), and the mean cosine between the
+   outputs of two query positions of one sequence and head (1: every position says the
+   same thing, and the norm leaves only that common direction);
 4. gradients at initialisation: the norms of the q/k/v projection gradients of both
    layers, and of the first-order weights;
 5. fp32 against fp64: the relative error of the layer output, and two 20-step training
@@ -71,9 +72,11 @@ def moments(mixer: str, tokens: torch.Tensor) -> dict[str, Any]:
     # S_T's spectrum, per sequence and head, and the filler's share of its trace.
     ev = torch.linalg.eigvalsh(S)  # [B, H, K], ascending
     out["S_top_eig_share"] = (ev[..., -1] / ev.sum(-1)).mean().item()
-    out["S_condition"] = (ev[..., -1] / ev[..., 0].clamp_min(1e-300)).median().item()
-    w = torch.exp(g.sum() - g.cumsum(0)) if g is not None and g.dim() == 1 else None
-    del w  # the filler share below is of the undecayed moment: decay is ~1 at T = 64
+    # S has rank <= the number of distinct tokens (< K), so its condition number is
+    # infinite; its effective rank exp(entropy of the normalised spectrum) says more.
+    p = ev.clamp_min(0) / ev.clamp_min(0).sum(-1, keepdim=True)
+    out["S_effective_rank"] = torch.exp(-(p * p.clamp_min(1e-300).log()).sum(-1)).mean().item()
+    # The filler's share of trace(S) (decay is close to 1 over 64 tokens at init).
     filler = (tokens == 0).double()[..., None]  # [B, T, 1]
     kk = k.pow(2).sum(-1)  # |k|^2 = 1 per token and head
     out["S_trace_share_filler"] = ((kk * filler).sum(1) / kk.sum(1)).mean().item()
@@ -86,6 +89,11 @@ def moments(mixer: str, tokens: torch.Tensor) -> dict[str, Any]:
 
         mix = None if heads.key_mix is None else torch.full_like(heads.key_mix, 1.0)
         o, _ = grouped_operator("hla2", q, k, v, log_decay=g, scale=1.0, key_mix=mix)
+    # The RMSNorm divides by |o_t|: a wide spread of |o_t| over t means large, uneven
+    # gradients through it where |o_t| is small.
+    mag = o[:, 8:].norm(dim=-1)  # [B, T', H]
+    q95, q05 = torch.quantile(mag.flatten(), 0.95), torch.quantile(mag.flatten(), 0.05)
+    out["output_norm_p95_over_p5"] = (q95 / q05).item()
     on = F.normalize(o[:, 8:], dim=-1)  # past the pairs
     cos = torch.einsum("bthd,bshd->bhts", on, on)
     n = cos.shape[-1]
