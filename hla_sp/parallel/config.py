@@ -22,11 +22,15 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from hla_sp.ops.validate import Inputs
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 from hla_sp.parallel.comm import all_gather_single, count
 from hla_sp.parallel.layouts import LAYOUTS, layout_pieces
 from hla_sp.parallel.plan import Chain, Plan
@@ -167,8 +171,10 @@ class SequenceParallel:
     every call builds its backward collectives, so every rank must call backward.
     """
 
-    group: dist.ProcessGroup | None = None
-    """The process group; None for the default (WORLD) group."""
+    group: dist.ProcessGroup | DeviceMesh | None = None
+    """The process group; None for the default (WORLD) group. A ``DeviceMesh``
+    (torchtitan, FSDP2) is taken too: a 1-D mesh (``mesh["cp"]``) as it is, a larger
+    one through its dimension ``mesh_dim``; the group is resolved once, here."""
     layout: str = "contiguous"
     """"contiguous": rank r holds the r-th piece (any lengths, may be empty);
     "zigzag": 2P equal chunks, rank r holds chunks r and 2P-1-r."""
@@ -183,11 +189,18 @@ class SequenceParallel:
     """Compute the local outputs while the summaries are exchanged. False waits for the
     exchange first: benchmarks use it to measure how much of the exchange the overlap
     hides. Results are the same either way."""
+    mesh_dim: str | int | None = None
+    """With a ``DeviceMesh`` of more than one dimension as ``group``: the name (or
+    index) of its context-parallel dimension, e.g. ``"cp"``."""
 
     def __post_init__(self) -> None:
+        if _is_device_mesh(self.group):
+            self.group = _mesh_group(self.group, self.mesh_dim)
+        elif self.mesh_dim is not None:
+            raise ValueError("mesh_dim: only meaningful when group is a DeviceMesh")
         if self.group is not None and not isinstance(self.group, dist.ProcessGroup):
             raise TypeError(
-                f"group: expected a torch.distributed.ProcessGroup or None, "
+                f"group: expected a torch.distributed.ProcessGroup, a DeviceMesh or None, "
                 f"got {type(self.group).__name__}"
             )
         if self.layout not in LAYOUTS:
@@ -390,6 +403,31 @@ def _join_failure(op: str, e: RuntimeError, elapsed: float, timeout: float | Non
         f"{elapsed:.1f} s: {cause}. A peer rank likely crashed or closed its connection "
         f"(look for its own error first); {restart}."
     )
+
+
+def _is_device_mesh(x: object) -> bool:
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # a torch without DeviceMesh: nothing can be one
+        return False
+    return isinstance(x, DeviceMesh)
+
+
+def _mesh_group(mesh: DeviceMesh, dim: str | int | None) -> dist.ProcessGroup:
+    """The process group of one dimension of ``mesh`` (its only one when 1-D)."""
+    names = mesh.mesh_dim_names or ()
+    if dim is None:
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"mesh_dim: a {mesh.ndim}-D DeviceMesh (dimensions {names or mesh.ndim}) needs "
+                f"the context-parallel dimension, e.g. mesh_dim='cp', or pass mesh['cp']"
+            )
+        return mesh.get_group()
+    if isinstance(dim, str) and dim not in names:
+        raise ValueError(f"mesh_dim: {dim!r} is not a dimension of the mesh; it has {names}")
+    if isinstance(dim, int) and not 0 <= dim < mesh.ndim:
+        raise ValueError(f"mesh_dim: expected 0 <= mesh_dim < {mesh.ndim}, got {dim}")
+    return mesh.get_group(dim)
 
 
 def _disagreements(table: list[list[int]], names: list[str]) -> list[str]:
