@@ -63,6 +63,8 @@ def progress_line(rec: dict[str, Any], train_iters: int) -> str:
     extra = ""
     if "val_loss" in rec:
         extra += f" | val loss {rec['val_loss']:.4f}"
+    if "val_recall_acc" in rec:
+        extra += f" | recall acc {rec['val_recall_acc']:.3f}"
     if "loss_scale" in rec:
         extra += f" | loss scale {rec['loss_scale']:.3g}" + (" (skipped)" if rec["skipped"] else "")
     return (

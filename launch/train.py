@@ -177,12 +177,15 @@ class Trainer:
                                   self.cfg.micro_batch_size, self.topo.dp_rank, self.topo.dp)
         ]
 
-    def evaluate(self) -> float:
+    def evaluate(self) -> dict[str, float]:
         """Token-mean loss over --eval-iters global batches of the held-out split (the
-        same batches at every evaluation, so the values form a curve)."""
+        same batches at every evaluation, so the values form a curve): ``val_loss``, and
+        for --data synthetic-recall ``val_recall_acc``, the share of queried values the
+        model predicts (argmax) at the labelled positions."""
         assert self.valid_samples is not None
+        recall = self.cfg.data == "synthetic-recall"
         self.model.eval()
-        total = torch.zeros(2, dtype=torch.float64, device=self.topo.device)
+        total = torch.zeros(4, dtype=torch.float64, device=self.topo.device)
         with torch.no_grad():
             for i in range(self.cfg.eval_iters):
                 for b in self._batches(self.valid_samples, i * self.global_batch):
@@ -190,9 +193,25 @@ class Trainer:
                                            labels=b["labels"])
                     total[0] += (per_token.float() * b["loss_mask"]).sum().double()
                     total[1] += b["loss_mask"].sum().double()
+                    if recall:
+                        hit = self._predicted(b) == b["labels"]
+                        total[2] += (hit.double() * b["loss_mask"]).sum()
         dist.all_reduce(total, group=self.dp_cp_group)
         self.model.train()
-        return float(total[0] / total[1].clamp(min=1.0))
+        out = {"val_loss": float(total[0] / total[1].clamp(min=1.0))}
+        if recall:
+            out["val_recall_acc"] = float(total[2] / total[1].clamp(min=1.0))
+        return out
+
+    def _predicted(self, b: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The argmax token at every position [b, s_local]; logits are vocab-parallel
+        under TP, so the shards are gathered first."""
+        from megatron.core import tensor_parallel
+
+        logits = self.model(b["tokens"], b["position_ids"], None)  # [b, s, vocab / TP]
+        if self.topo.tp > 1:
+            logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+        return logits.argmax(-1)
 
     def step(self) -> dict[str, Any]:
         """Train one global batch; return the iteration's record (loss reduced globally)."""
@@ -297,7 +316,7 @@ class Trainer:
                     cfg.exit_interval is not None and self.iteration % cfg.exit_interval == 0
                 )
                 if cfg.eval_interval and (self.iteration % cfg.eval_interval == 0 or last):
-                    rec["val_loss"] = self.evaluate()
+                    rec.update(self.evaluate())
                 records.append(rec)
                 if heartbeat is not None:
                     heartbeat.progress(self.iteration)
