@@ -120,3 +120,45 @@ def test_validation_accepts_minus_inf_refuses_nan_and_plus_inf():
         g2[0, 5, 0] = bad
         with pytest.raises(ValueError, match="log_decay"):
             hla_sp.linear_attention(q, k, v, log_decay=g2)
+
+
+def extreme_sp_task(rank: int, P: int, cases: list[dict]) -> list[str]:
+    """World task: :func:`parallel_cases.run_cases` with one token's log-decay replaced
+    by ``case["extreme"]`` (at ``case["at"]``, batch 0, head 0) in every dtype."""
+    import parallel_cases as pc
+
+    make = pc._inputs
+
+    def inputs(c: dict, dtype: torch.dtype) -> dict:
+        x = make(c, dtype)
+        g = x["g"].clone()
+        g[0, c["at"], 0] = c["extreme"]
+        x["g"] = g
+        return x
+
+    pc._inputs = inputs
+    try:
+        return pc.run_cases(rank, P, cases)
+    finally:
+        pc._inputs = make
+
+
+@pytest.mark.timeout(400)
+def test_sequence_parallel_exact(world):
+    """Two ranks: the huge decay sits mid-chunk in rank 0's shard, so it enters rank 0's
+    summary, the cross-rank carry and its backward (fp64 to 1e-10, fp32 within the
+    single-process error, as tests/test_parallel_ops.py)."""
+    from parallel_cases import case
+
+    cases = []
+    for i, (name, value) in enumerate(
+        (n, x) for n in ("la", "hla2", "ahla", "hla3") for x in EXTREMES
+    ):
+        method = ("allgather", "ring", "tree")[i % 3]
+        for dtype in ("float64", "float32"):
+            cases.append(case(name, T=24, chunk=8, decay="token", h0=True, final=True,
+                              method=method, dtype=dtype, extreme=value, at=5, seed=i,
+                              cu=[0, 9, 24] if i % 2 else None))
+    errors = world(2).run(extreme_sp_task, cases, timeout=360)
+    flat = [e for rank_errors in errors for e in rank_errors]
+    assert not flat, "\n".join(flat[:20])

@@ -170,27 +170,94 @@ def _to_tokens(x: Tensor, T: int) -> Tensor:
     return x.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, Dd)[:, :T]
 
 
+BLOCK_TOKENS = 1024
+"""Tokens per block of the blocked forward and backward: every temporary is the size
+of one block (16 chunks of 64), so the memory a call adds beyond its inputs and
+outputs does not grow with T, while each batched matmul still covers 16 x B x H
+chunks."""
+
+
+def _blocks(T: int, C: int) -> list[tuple[int, int]]:
+    """Token ranges [t0, t1) of the blocks: whole chunks, the last one possibly short."""
+    step = max(1, BLOCK_TOKENS // C) * C
+    return [(t0, min(T, t0 + step)) for t0 in range(0, T, step)]
+
+
+def _part(x: Tensor | None, t0: int, t1: int) -> Tensor | None:
+    return None if x is None else x[:, t0:t1]
+
+
 def chunk_forward(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, resets: Tensor | None,
     h0: Tensor | None, chunk_size: int,
 ) -> tuple[Tensor, Tensor]:
-    """The forward of :func:`chunk_linear_attention`, without autograd.
+    """The forward of :func:`chunk_linear_attention`, without autograd, block by block.
 
     Returns o [B, T, H, V] (contiguous) and h_last [B, H, K, V], in the compute dtype.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
     cdt = compute_dtype(q.dtype)
+    h = torch.zeros(B, H, K, V, dtype=cdt, device=q.device) if h0 is None else h0.to(cdt)
     if T == 0:  # an empty shard: no outputs, and the carry passes through unchanged
-        h = torch.zeros(B, H, K, V, dtype=cdt, device=q.device) if h0 is None else h0.to(cdt)
         return q.new_zeros(B, 0, H, V, dtype=cdt), h.clone()  # never an alias of h0
+    o = q.new_empty(B, T, H, V, dtype=cdt)
     with torch.no_grad():
-        ch = _prepare(q, k, v, g, resets, chunk_size)
-        h_in, h_last = _incoming_states(ch, h0)
-        attn = (ch.qc @ ch.kc.transpose(-1, -2)).mul_(ch.D)  # [B, H, N, C, C]
-        o = _addmm(attn @ ch.vc, ch.qc * ch.wc[..., None], h_in)
-        del attn
-        return _to_tokens(o, T).contiguous(), h_last.contiguous()
+        for t0, t1 in _blocks(T, chunk_size):
+            ch = _prepare(q[:, t0:t1], k[:, t0:t1], v[:, t0:t1], _part(g, t0, t1),
+                          _part(resets, t0, t1), chunk_size)
+            h_in, h = _incoming_states(ch, h)
+            attn = (ch.qc @ ch.kc.transpose(-1, -2)).mul_(ch.D)  # [B, H, N, C, C]
+            ob = _addmm(attn @ ch.vc, ch.qc * ch.wc[..., None], h_in)
+            del attn
+            o[:, t0:t1] = _to_tokens(ob, t1 - t0)
+    return o, h.contiguous()
+
+
+def _block_backward(
+    ch: _Chunks, h_entry: Tensor, doc: Tensor, dh_next: Tensor, want_dg: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
+    """Gradients of one block of chunks (see :func:`chunk_backward`).
+
+    Args:
+        ch: the block's chunks; h_entry: [B, H, K, V] the state entering the block.
+        doc: [B, H, N, C, V] the outputs' cotangent; dh_next: [B, H, K, V] the gradient
+            of the state leaving the block.
+
+    Returns dq, dk [B, H, N, C, K], dv [B, H, N, C, V], dg [B, H, N, C] or None, and
+    the gradient of the state entering the block.
+    """
+    h_in, _ = _incoming_states(ch, h_entry)
+    qw = ch.qc * ch.wc[..., None]
+    # dh_in of every chunk, in place: X_n = qw_n^T dO_n, then X_n += p_n X_{n+1}.
+    dh_in = qw.transpose(-1, -2) @ doc  # [B, H, N, K, V]
+    dh_in[:, :, -1].addcmul_(ch.p[:, :, -1, None, None], dh_next)
+    for n in range(dh_in.shape[2] - 2, -1, -1):
+        dh_in[:, :, n].addcmul_(ch.p[:, :, n, None, None], dh_in[:, :, n + 1])
+    dh_out = torch.cat([dh_in[:, :, 1:], dh_next[:, :, None]], dim=2)  # each chunk's end
+
+    kw = ch.kc * ch.ws[..., None]
+    dA = doc @ ch.vc.transpose(-1, -2)  # [B, H, N, C, C]
+    A = (ch.qc @ ch.kc.transpose(-1, -2)).mul_(ch.D)
+    dv = _addmm(A.transpose(-1, -2) @ doc, kw, dh_out)
+    dq_carry = doc @ h_in.transpose(-1, -2)  # [B, H, N, C, K]
+    dk_state = ch.vc @ dh_out.transpose(-1, -2)  # [B, H, N, C, K]
+    dg = None
+    if want_dg:
+        dL = dA * A  # gradient of each in-chunk segment sum; 0 where masked
+        db = dL.sum(-1) - dL.sum(-2)  # on b_t as the later end, minus as the earlier
+        del dL
+        db += (qw * dq_carry).sum(-1)  # the carry weight exp(b_t)
+        dlws = (kw * dk_state).sum(-1)  # the summary weight exp(b_C - b_j)
+        dlp = ch.p * (h_in * dh_out).sum((-1, -2))  # the pass factor exp(b_C)
+        dg = db.flip(-1).cumsum(-1).flip(-1)  # g_i enters b_t for every t >= i
+        dg += dlws.cumsum(-1) - dlws  # ... and b_C - b_j for every j < i
+        dg += dlp[..., None]  # ... and b_C
+    del A
+    dQK = dA.mul_(ch.D)
+    dq = _addmm(dq_carry.mul_(ch.wc[..., None]), dQK, ch.kc)
+    dk = _addmm(dk_state.mul_(ch.ws[..., None]), dQK.transpose(-1, -2), ch.qc)
+    return dq, dk, dv, dg, dh_in[:, :, 0]
 
 
 def chunk_backward(
@@ -211,59 +278,51 @@ def chunk_backward(
     sum (g_i for j < i <= t), the carry's row sums on b_t (g_i for i <= t), the
     summary's on b_C - b_j (g_i for i > j), p <H_in, dH> on b_C (all g_i in the chunk).
 
-    Returns dq, dk, dv, dg (None without g), dh0 (None without h0), in the compute dtype.
+    Two passes over blocks of chunks: forward, keeping only the state entering each
+    block ([n_blocks, B, H, K, V]); then backward, recomputing each block's chunk
+    states and intra-chunk terms. Returns dq, dk, dv, dg (None without g), dh0 (None
+    without h0), [B, T, ...] in the compute dtype.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
     cdt = compute_dtype(q.dtype)
+    C = chunk_size
+    dh = torch.zeros(B, H, K, V, dtype=cdt, device=q.device) if dht is None else dht.to(cdt)
     if T == 0:
-        dh = torch.zeros(B, H, K, V, dtype=cdt, device=q.device) if dht is None else dht.to(cdt)
         zq, zv = q.new_zeros(B, 0, H, K, dtype=cdt), q.new_zeros(B, 0, H, V, dtype=cdt)
         dg = None if g is None else q.new_zeros(B, 0, H, dtype=cdt)
         return zq, zq.clone(), zv, dg, (None if h0 is None else dh)
-    C = chunk_size
-    with torch.no_grad():
-        ch = _prepare(q, k, v, g, resets, C)
-        N = ch.qc.shape[2]
-        h_in, _ = _incoming_states(ch, h0)
-        d = do.to(cdt)
-        if ch.pad:
-            d = F.pad(d, (0, 0, 0, 0, 0, ch.pad))
-        doc = _heads_first(d, B, N, C, H)  # [B, H, N, C, V]
-        qw = ch.qc * ch.wc[..., None]
-        # dh_in of every chunk, in place: X_n = qw_n^T dO_n, then X_n += p_n X_{n+1}.
-        dh_in = qw.transpose(-1, -2) @ doc  # [B, H, N, K, V]
-        if dht is not None:
-            dh_in[:, :, -1].addcmul_(ch.p[:, :, -1, None, None], dht.to(cdt))
-        for n in range(N - 2, -1, -1):
-            dh_in[:, :, n].addcmul_(ch.p[:, :, n, None, None], dh_in[:, :, n + 1])
-        last = torch.zeros_like(dh_in[:, :, :1]) if dht is None else dht.to(cdt)[:, :, None]
-        dh_out = torch.cat([dh_in[:, :, 1:], last], dim=2)  # gradient of each chunk's end state
+    blocks = _blocks(T, C)
 
-        kw = ch.kc * ch.ws[..., None]
-        dA = doc @ ch.vc.transpose(-1, -2)  # [B, H, N, C, C]
-        A = (ch.qc @ ch.kc.transpose(-1, -2)).mul_(ch.D)
-        dv = _addmm(A.transpose(-1, -2) @ doc, kw, dh_out)
-        dq_carry = doc @ h_in.transpose(-1, -2)  # [B, H, N, C, K]
-        dk_state = ch.vc @ dh_out.transpose(-1, -2)  # [B, H, N, C, K]
-        dg = None
-        if g is not None:
-            dL = dA * A  # gradient of each in-chunk segment sum; 0 where masked
-            db = dL.sum(-1) - dL.sum(-2)  # on b_t as the later end, minus as the earlier
-            del dL
-            db += (qw * dq_carry).sum(-1)  # the carry weight exp(b_t)
-            dlws = (kw * dk_state).sum(-1)  # the summary weight exp(b_C - b_j)
-            dlp = ch.p * (h_in * dh_out).sum((-1, -2))  # the pass factor exp(b_C)
-            dgc = db.flip(-1).cumsum(-1).flip(-1)  # g_i enters b_t for every t >= i
-            dgc += dlws.cumsum(-1) - dlws  # ... and b_C - b_j for every j < i
-            dgc += dlp[..., None]
-            dg = dgc.permute(0, 2, 3, 1).reshape(B, N * C, H)[:, :T]
-        del A
-        dQK = dA.mul_(ch.D)
-        dq = _addmm(dq_carry.mul_(ch.wc[..., None]), dQK, ch.kc)
-        dk = _addmm(dk_state.mul_(ch.ws[..., None]), dQK.transpose(-1, -2), ch.qc)
-        dh0 = None if h0 is None else dh_in[:, :, 0].contiguous()
-        return _to_tokens(dq, T), _to_tokens(dk, T), _to_tokens(dv, T), dg, dh0
+    def block(t0: int, t1: int) -> _Chunks:
+        return _prepare(q[:, t0:t1], k[:, t0:t1], v[:, t0:t1], _part(g, t0, t1),
+                        _part(resets, t0, t1), C)
+
+    with torch.no_grad():
+        h = torch.zeros(B, H, K, V, dtype=cdt, device=q.device) if h0 is None else h0.to(cdt)
+        entries = []
+        for t0, t1 in blocks[:-1]:
+            entries.append(h)
+            h = _incoming_states(block(t0, t1), h)[1].contiguous()
+        entries.append(h)
+        dq = q.new_empty(B, T, H, K, dtype=cdt)
+        dk = q.new_empty(B, T, H, K, dtype=cdt)
+        dv = q.new_empty(B, T, H, V, dtype=cdt)
+        dg = None if g is None else q.new_empty(B, T, H, dtype=cdt)
+        for (t0, t1), h_entry in zip(reversed(blocks), reversed(entries)):
+            ch = block(t0, t1)
+            N = ch.qc.shape[2]
+            d = do[:, t0:t1].to(cdt)
+            if ch.pad:
+                d = F.pad(d, (0, 0, 0, 0, 0, ch.pad))
+            doc = _heads_first(d, B, N, C, H)  # [B, H, N, C, V]
+            bq, bk, bv, bg, dh = _block_backward(ch, h_entry, doc, dh, g is not None)
+            dq[:, t0:t1] = _to_tokens(bq, t1 - t0)
+            dk[:, t0:t1] = _to_tokens(bk, t1 - t0)
+            dv[:, t0:t1] = _to_tokens(bv, t1 - t0)
+            if dg is not None and bg is not None:
+                dg[:, t0:t1] = bg.permute(0, 2, 3, 1).reshape(B, N * C, H)[:, : t1 - t0]
+        return dq, dk, dv, dg, (None if h0 is None else dh.contiguous())
 
 
 class _ChunkFunction(torch.autograd.Function):
