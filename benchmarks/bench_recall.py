@@ -264,12 +264,23 @@ def main(argv: list[str] | None = None) -> None:
         jobs += [(m, T, pairs, steps, batch, a.lr, a.seed, 2 if a.quick else 10) for m in mixers]
     a.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    results = []
+    results: list[dict[str, Any]] = []
 
     def report(r: dict[str, Any]) -> None:
+        """Print a finished run and rewrite the JSON and PNG, so a long sweep that is
+        stopped keeps every run it finished."""
         results.append(r)
         print(f"T={r['T']:4d} pairs={r['pairs']:3d} {r['mixer']:26s} acc {r['acc']:.3f} "
               f"loss {r['loss']:.3f}  ({r['seconds']:.0f} s)", flush=True)
+        data = {"task": "MQAR (Zoology)", "vocab": VOCAB, "d_model": D_MODEL,
+                "layers": LAYERS, "heads": HEADS, "eval_samples": EVAL_SAMPLES,
+                "wall_seconds": time.perf_counter() - t0,
+                "machine": {"python": sys.version.split()[0], "torch": torch.__version__,
+                            "cpu": platform.processor() or platform.machine(),
+                            "jobs": a.jobs},
+                "results": results}
+        (a.out / f"{a.name}.json").write_text(json.dumps(data, indent=1))
+        plot(results, a.out / f"{a.name}.png")
 
     if a.jobs > 1:
         with ProcessPoolExecutor(a.jobs) as pool:
@@ -278,13 +289,6 @@ def main(argv: list[str] | None = None) -> None:
     else:
         for j in jobs:
             report(_job(j))
-    data = {"task": "MQAR (Zoology)", "vocab": VOCAB, "d_model": D_MODEL, "layers": LAYERS,
-            "heads": HEADS, "eval_samples": EVAL_SAMPLES, "wall_seconds": time.perf_counter() - t0,
-            "machine": {"python": sys.version.split()[0], "torch": torch.__version__,
-                        "cpu": platform.processor() or platform.machine(), "jobs": a.jobs},
-            "results": results}
-    (a.out / f"{a.name}.json").write_text(json.dumps(data, indent=1))
-    plot(results, a.out / f"{a.name}.png")
     print(f"wrote {a.out / (a.name + '.json')} and {a.out / (a.name + '.png')}")
 
 
