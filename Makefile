@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 EXTRAS ?= dev,triton,megatron,ray
 
-.PHONY: setup setup-megatron test test-slow lint demo demo-ops demo-1m demo-recall bench bench-sp bench-recall bench-lm gpu-check clean
+.PHONY: setup setup-megatron test test-slow lint demo demo-ops demo-1m demo-recall bench bench-sp bench-recall bench-lm gpu-aot gpu-check clean
 
 $(STAMP): pyproject.toml requirements-cpu.txt
 	python3 -m venv $(VENV)
@@ -89,6 +89,11 @@ bench-lm: $(STAMP)
 
 bench-sp: $(STAMP)
 	for b in traffic overhead memory million; do $(PY) benchmarks/bench_sp_$$b.py || exit 1; done
+
+# No GPU needed: compile every launched kernel configuration for sm_90a and sm_80 and
+# gate registers, spills and shared memory (benchmarks/results/aot.json, docs/benchmarks.md).
+gpu-aot: $(STAMP)
+	$(PY) benchmarks/aot.py
 
 # On a CUDA machine: kernels against the reference, timings against SDPA and fla.
 gpu-check:

@@ -25,6 +25,7 @@ that the Triton path ran rather than a silent fallback.
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 from collections import Counter
@@ -35,6 +36,9 @@ from typing import Any
 import triton
 
 LAUNCHES: Counter[str] = Counter()
+# While a list (inside :func:`capture`): launches are described here and not run.
+_CAPTURE: list[dict[str, Any]] | None = None
+KERNELS: dict[str, LazyKernel] = {}  # every kernel defined, by name (filled by lazy_jit)
 
 
 def interpreting() -> bool:
@@ -112,6 +116,9 @@ class LazyKernel:
 
         def run(*args: Any, **kwargs: Any) -> Any:
             LAUNCHES[self.__name__] += 1
+            if _CAPTURE is not None:
+                _CAPTURE.append(self.describe(args, kwargs))
+                return None
             if not interpreting():
                 return launch(*args, **kwargs)
             with _interpretable_stdlib(sys.modules[self.fn.__module__]):
@@ -120,6 +127,80 @@ class LazyKernel:
         return run
 
 
+    def describe(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """One launch as a compile job: Triton signature, constexpr values, options.
+
+        Tensors become pointer types (``*fp32``), ints ``i32``/``i64``, floats ``fp32``;
+        None and ``tl.constexpr`` parameters become constexprs. ``num_warps`` and
+        ``num_stages`` are the launch's, or Triton's CUDA defaults (4 and 3).
+        """
+        import torch
+
+        names = list(inspect.signature(self.fn).parameters)
+        params = inspect.signature(self.fn).parameters
+        opts = {"num_warps": 4, "num_stages": 3}
+        values = dict(zip(names, args, strict=False))
+        for key, val in kwargs.items():
+            if key in opts:
+                opts[key] = int(val)
+            else:
+                values[key] = val
+        signature: dict[str, str] = {}
+        constexprs: dict[str, Any] = {}
+        for name in names:
+            val = values[name]
+            if "constexpr" in str(params[name].annotation) or val is None:
+                signature[name] = "constexpr"
+                constexprs[name] = val
+            elif isinstance(val, torch.Tensor):
+                signature[name] = "*" + _TRITON_DTYPES[val.dtype]
+            elif isinstance(val, bool):
+                signature[name] = "i1"
+            elif isinstance(val, int):
+                signature[name] = "i32" if -(2**31) <= val < 2**31 else "i64"
+            elif isinstance(val, float):
+                signature[name] = "fp32"
+            else:
+                raise TypeError(f"{self.__name__}: cannot describe argument {name}={val!r}")
+        return {"kernel": self.__name__, "signature": signature, "constexprs": constexprs,
+                **opts}
+
+
+def _dtype_names() -> dict[Any, str]:
+    import torch
+
+    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+            torch.int32: "i32", torch.int64: "i64", torch.bool: "i1", torch.float64: "fp64"}
+
+
+class _DtypeNames(dict):
+    """torch dtype -> Triton type name, built on first use (no torch import at import)."""
+
+    def __missing__(self, key: Any) -> str:
+        self.update(_dtype_names())
+        return dict.__getitem__(self, key)
+
+
+_TRITON_DTYPES: dict[Any, str] = _DtypeNames()
+
+
+@contextmanager
+def capture() -> Iterator[list[dict[str, Any]]]:
+    """Describe every kernel launch (:meth:`LazyKernel.describe`) instead of running it.
+
+    Outputs of captured launches are left uninitialised, so only the launch
+    configurations, not the values, mean anything inside this context.
+    """
+    global _CAPTURE
+    before, _CAPTURE = _CAPTURE, []
+    try:
+        yield _CAPTURE
+    finally:
+        _CAPTURE = before
+
+
 def lazy_jit(fn: Callable[..., None]) -> LazyKernel:
-    """Decorator: a :class:`LazyKernel` of ``fn``."""
-    return LazyKernel(fn)
+    """Decorator: a :class:`LazyKernel` of ``fn``, registered in :data:`KERNELS`."""
+    kernel = LazyKernel(fn)
+    KERNELS[kernel.__name__] = kernel
+    return kernel

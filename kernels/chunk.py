@@ -40,6 +40,8 @@ computes in fp64.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 
@@ -78,13 +80,41 @@ def _block(d: int, cap: int | None = None) -> int:
     return min(max(16, triton.next_power_of_2(d)), cap)
 
 
-def chunk_tile(chunk_size: int) -> int:
-    """The Triton chunk length for a requested ``chunk_size``.
+@dataclass(frozen=True)
+class Tiling:
+    """Tile caps and warps for one input dtype and dot precision.
+
+    Chosen with the ahead-of-time gate (``benchmarks/aot.py``, ``make gpu-aot``), which
+    compiles every launched configuration for sm_90a and sm_80 and refuses spills.
+    """
+
+    chunk: int  # largest BT (chunk length)
+    block: int  # largest BK / BV
+    num_warps: int
+
+
+def tiling(dtype: torch.dtype) -> Tiling:
+    """The launch shape for inputs of ``dtype`` (and torch's fp32 matmul precision).
+
+    IEEE fp32 dots have no tensor-core form: each becomes FMAs whose operands are
+    spread over the threads, and 64-wide tiles at 4 warps spill 8-56 KB per thread
+    (ptxas falls back to 32 registers). 32-wide tiles, 32-token chunks and 8 warps
+    spill nothing. 16-bit and TF32 dots run on tensor cores at 64-wide tiles.
+    """
+    if dtype == torch.float32 and _dot_precision(dtype) == "ieee":
+        return Tiling(chunk=32, block=32, num_warps=8)
+    return Tiling(chunk=MAX_CHUNK, block=64, num_warps=4)
+
+
+def chunk_tile(chunk_size: int, dtype: torch.dtype | None = None) -> int:
+    """The Triton chunk length for a requested ``chunk_size`` (and input ``dtype``).
 
     The result does not depend on the chunk length (up to rounding), so the kernels
-    clamp it to [16, 64]: tl.dot needs 16, larger tiles only cost registers.
+    clamp it to [16, 64] (tl.dot needs 16, larger tiles only cost registers), and to
+    the dtype's :func:`tiling` cap.
     """
-    return min(max(chunk_size, MIN_CHUNK), MAX_CHUNK)
+    cap = MAX_CHUNK if dtype is None else tiling(dtype).chunk
+    return min(max(chunk_size, MIN_CHUNK), cap)
 
 
 def state_passing(
@@ -132,13 +162,14 @@ def chunk_states(
     B, T, H, K = k.shape
     V = v.shape[-1]
     N = triton.cdiv(T, BT)
-    BK, BV = _block(K), _block(V)
+    tl_ = tiling(k.dtype)
+    BK, BV = _block(K, tl_.block), _block(V, tl_.block)
     NK, NV = triton.cdiv(K, BK), triton.cdiv(V, BV)
     hs = torch.empty(B, H, N, K, V, dtype=torch.float32, device=k.device)
     chunk_state_kernel[(N, NK * NV, B * H)](
         k, v, g, resets, hs, T, H, K, V, N,
         BT=BT, BX=BK, BY=BV, CARRY=False, HAS_G=g is not None, HAS_R=resets is not None,
-        DOT_PREC=_dot_precision(k.dtype), UPCAST=_upcast(k.dtype),
+        DOT_PREC=_dot_precision(k.dtype), UPCAST=_upcast(k.dtype), num_warps=tl_.num_warps,
     )
     h_last = torch.empty(B, H, K, V, dtype=torch.float32, device=k.device) if store_last else None
     state_passing(hs, g, resets, h0, h_last, T, BT, reverse=False)
@@ -164,11 +195,12 @@ def chunk_fwd(
     N = triton.cdiv(T, BT)
     hs, h_last = chunk_states(k, v, g, resets, h0, BT)
     o = torch.empty(B, T, H, V, dtype=torch.float32, device=q.device)  # as the torch path
-    BK, BV = _block(K), _block(V)
+    tl_ = tiling(q.dtype)
+    BK, BV = _block(K, tl_.block), _block(V, tl_.block)
     chunk_fwd_o_kernel[(N, triton.cdiv(V, BV), B * H)](
         q, k, v, hs, g, resets, o, T, H, K, V, N,
         BT=BT, BK=BK, BV=BV, HAS_G=g is not None, HAS_R=resets is not None,
-        DOT_PREC=_dot_precision(q.dtype), UPCAST=_upcast(q.dtype),
+        DOT_PREC=_dot_precision(q.dtype), UPCAST=_upcast(q.dtype), num_warps=tl_.num_warps,
     )
     assert h_last is not None
     return o, h_last
@@ -197,10 +229,12 @@ def chunk_bwd(
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = triton.cdiv(T, BT)
-    BK, BV = _block(K), _block(V)
+    tl_ = tiling(q.dtype)
+    BK, BV = _block(K, tl_.block), _block(V, tl_.block)
     NK, NV = triton.cdiv(K, BK), triton.cdiv(V, BV)
     HAS_G, HAS_R = g is not None, resets is not None
     prec = _dot_precision(q.dtype)
+    nw = tl_.num_warps
     # Recompute: the states entering each chunk (and h_T, needed for dg).
     hs, h_last = chunk_states(k, v, g, resets, h0, BT, store_last=HAS_G and dht is not None)
     # Gradients of the states: per chunk u_n = (q * wc)^T do, then the reverse pass.
@@ -208,7 +242,7 @@ def chunk_bwd(
     chunk_state_kernel[(N, NK * NV, B * H)](
         q, do, g, resets, dhs, T, H, K, V, N,
         BT=BT, BX=BK, BY=BV, CARRY=True, HAS_G=HAS_G, HAS_R=HAS_R,
-        DOT_PREC=prec, UPCAST=_upcast(q.dtype),
+        DOT_PREC=prec, UPCAST=_upcast(q.dtype), num_warps=nw,
     )
     dh0 = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device) if h0 is not None else None
     state_passing(dhs, g, resets, dht, dh0, T, BT, reverse=True)
@@ -218,10 +252,12 @@ def chunk_bwd(
     chunk_bwd_dv_kernel[(N, NV, B * H)](
         q, k, do, dhs, g, resets, dv, T, H, K, V, N,
         BT=BT, BK=BK, BV=BV, HAS_G=HAS_G, HAS_R=HAS_R, DOT_PREC=prec, UPCAST=_upcast(q.dtype),
+        num_warps=nw,
     )
     chunk_bwd_dqk_kernel[(N, NK, B * H)](
         q, k, v, do, hs, dhs, g, resets, dq, dk, dA, T, H, K, V, N,
         BT=BT, BK=BK, BV=BV, HAS_G=HAS_G, HAS_R=HAS_R, DOT_PREC=prec, UPCAST=_upcast(q.dtype),
+        num_warps=nw,
     )
     dg = None
     if HAS_G:
@@ -286,13 +322,14 @@ def chunk_forward(
         q: [B, T, H, K], already scaled; k: [B, T, H, K]; v: [B, T, H, V]
             (fp32, fp16 or bf16, one dtype). g: [B, T, H] log-decay or None.
         resets: [B, T] bool or None. h0: [B, H, K, V] or None.
-        chunk_size: requested chunk length, clamped to [16, 64] (:func:`chunk_tile`).
+        chunk_size: requested chunk length, clamped to [16, 64] and the dtype's cap
+            (:func:`chunk_tile`).
 
     Returns:
         o [B, T, H, V] and h_last [B, H, K, V], both fp32 (the compute dtype).
     """
     qp, kp, vp, gp, rp, hp = prepare(q, k, v, g, resets, h0)
-    return chunk_fwd(qp, kp, vp, gp, rp, hp, chunk_tile(chunk_size))
+    return chunk_fwd(qp, kp, vp, gp, rp, hp, chunk_tile(chunk_size, qp.dtype))
 
 
 def chunk_backward(
@@ -316,5 +353,5 @@ def chunk_backward(
     # do meets v in a dot, so it takes the input dtype (o itself is fp32)
     return chunk_bwd(
         qp, kp, vp, gp, rp, hp, do.to(qp.dtype).contiguous(),
-        None if dht is None else dht.float().contiguous(), chunk_tile(chunk_size),
+        None if dht is None else dht.float().contiguous(), chunk_tile(chunk_size, qp.dtype),
     )

@@ -45,10 +45,14 @@ from .chunk import (
     chunk_tile,
     prepare,
     state_passing,
+    tiling,
 )
 from .hla2_fused_kernels import fused_hla2_fwd_kernel, hla2_fwd_o_kernel, hla2_state_kernel
 
 MAX_FUSED_K = 128  # the sequential program holds a K x K fp32 state
+# fp32 operands double the K x K tiles the sequential program stages in shared memory:
+# at K = 128 it asks for 246,272 B (IEEE) or 295,424 B (TF32), over every arch's limit
+MAX_FUSED_K_FP32 = 64
 MODES = ("chunked", "sequential")
 
 
@@ -73,20 +77,21 @@ def fused_hla2_fwd(
         HAS_G=g is not None, HAS_R=resets is not None,
         DOT_PREC=_dot_precision(q.dtype), UPCAST=_upcast(q.dtype),
     )
+    tl_ = tiling(q.dtype)
     if mode == "chunked":
-        BK, BV = _block(K), _block(V)
+        BK, BV = _block(K, tl_.block), _block(V, tl_.block)
         NK, NV = triton.cdiv(K, BK), triton.cdiv(V, BV)
         Ss, S_T = chunk_states(k, k, g, resets, S0, BT)  # stage-1 states entering each chunk
         hs = torch.empty(B, H, N, K, V, dtype=torch.float32, device=q.device)
         hla2_state_kernel[(N, NK * NV, B * H)](
             q, k, v, Ss, g, resets, hs, float(ridge), T, H, K, V, N,
-            BT=BT, BK=BK, BV=BV, **flags,
+            BT=BT, BK=BK, BV=BV, **flags, num_warps=tl_.num_warps,
         )
         H_T = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device)
         state_passing(hs, g, resets, H0, H_T, T, BT, reverse=False)
         hla2_fwd_o_kernel[(N, NV, B * H)](
             q, k, v, Ss, hs, g, resets, o, float(ridge), T, H, K, V, N,
-            BT=BT, BK=BK, BV=BV, **flags,
+            BT=BT, BK=BK, BV=BV, **flags, num_warps=tl_.num_warps,
         )
         assert S_T is not None
         return o, S_T, H_T
@@ -95,7 +100,14 @@ def fused_hla2_fwd(
     if K > MAX_FUSED_K:
         raise ValueError(f"fused hla2 (sequential): expected K <= {MAX_FUSED_K}, got K = {K}")
     BK = max(16, triton.next_power_of_2(K))
-    BV = _block(V)
+    if BK > MAX_FUSED_K_FP32 and q.dtype == torch.float32:
+        raise ValueError(
+            f"fused hla2 (sequential): fp32 inputs need K <= {MAX_FUSED_K_FP32}, got K = {K}: "
+            f"the {BK} x {BK} state tiles ask for more shared memory than a block may use "
+            "(246 KB IEEE, 295 KB TF32; sm_90 allows 227 KB, sm_80 163 KB). Use "
+            'mode="chunked", or bf16/fp16 inputs.'
+        )
+    BV = _block(V, tl_.block)
     S_T = torch.empty(B, H, K, K, dtype=torch.float32, device=q.device)
     H_T = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device)
     fused_hla2_fwd_kernel[(triton.cdiv(V, BV), B * H)](
@@ -170,7 +182,8 @@ def fused_hla2_forward(
         K = q.shape[-1]
         assert S0.shape == (q.shape[0], q.shape[2], K, K), f"S0: got {tuple(S0.shape)}"
         S0 = S0.float().contiguous()
-    return fused_hla2_fwd(q, k, v, g, resets, S0, H0, float(ridge), chunk_tile(chunk_size), mode)
+    BT = chunk_tile(chunk_size, q.dtype)
+    return fused_hla2_fwd(q, k, v, g, resets, S0, H0, float(ridge), BT, mode)
 
 
 def fused_hla2_backward(
@@ -197,5 +210,5 @@ def fused_hla2_backward(
     return fused_hla2_bwd(
         q, k, v, g, resets, S0, H0, float(ridge), do.to(q.dtype).contiguous(),
         None if dS_T is None else dS_T.float().contiguous(),
-        None if dH_T is None else dH_T.float().contiguous(), chunk_tile(chunk_size),
+        None if dH_T is None else dH_T.float().contiguous(), chunk_tile(chunk_size, q.dtype),
     )

@@ -1,0 +1,50 @@
+"""The ahead-of-time gate (``benchmarks/aot.py``): every kernel configuration the public
+API launches compiles for sm_90a and sm_80, fits in shared memory, and spills nothing
+on a default path. No GPU is needed: Triton compiles for a target without a driver,
+and the wheel's ``ptxas -v`` reports registers and spills.
+
+The suite's share is the quick matrix (:func:`aot.cases` with ``full=False``: chunk
+64, K = V = 128, every flag on, every operator and dtype); ``make gpu-aot`` runs the
+full one. Compiles run in parallel processes and are cached by source hash under
+``.aot-cache/`` (gitignored), so only the first run after a kernel change pays for
+them (minutes on two cores).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import aot
+
+
+def _row(**kw: object) -> dict:
+    row = dict(kernel="k", arch="sm_90a", dtype="fp32", tiles={"BT": 64}, flags={},
+               num_warps=4, num_stages=3, shared=1024, registers=128, spill_stores=0,
+               spill_loads=0, error=None, default=True, used_by=["linear_attention/x"])
+    row.update(kw)
+    return row
+
+
+def test_gate_refuses_what_it_should() -> None:
+    """Each rule of the gate fires on a row that breaks it, and only then."""
+    assert aot.failures([_row()], ["k"]) == []
+    assert "never launched" in aot.failures([_row()], ["k", "other"])[0]
+    assert "compile error" in aot.failures([_row(error="boom")], ["k"])[0]
+    over = _row(arch="sm_80", shared=aot.SHARED_LIMIT["sm_80"] + 1)
+    assert "shared memory" in aot.failures([over], ["k"])[0]
+    assert aot.failures([_row(arch="sm_90a", shared=aot.SHARED_LIMIT["sm_80"] + 1)], ["k"]) == []
+    assert "spills" in aot.failures([_row(spill_loads=4)], ["k"])[0]
+    assert aot.failures([_row(spill_loads=4, default=False)], ["k"]) == []  # opt-in path
+
+
+@pytest.mark.timeout(3600)
+def test_aot_gate() -> None:
+    """Capture under the interpreter, compile for both archs, and pass the gate."""
+    rows, bad, n_configs = aot.run(full=False)
+    assert n_configs >= 30 and len(rows) == 2 * n_configs
+    assert not bad, "\n".join(bad)

@@ -1,0 +1,60 @@
+"""Launch shapes chosen by the ahead-of-time gate (``benchmarks/aot.py``), checked on CPU.
+
+The gate itself (tests/test_aot.py) compiles them; here: the tiling rules and the
+refusal of the one configuration that cannot fit (sequential fused hla2, fp32, K=128).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import pytest
+import torch
+
+from hla_sp.ops import hla2_fused
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def kernels(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import hla_sp.kernels as kernels
+
+    return kernels
+
+
+def test_tiling_per_dtype_and_precision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """IEEE fp32 (FMA dots) gets 32-wide tiles, 32-token chunks and 8 warps; TF32 and
+    16-bit inputs (tensor cores) 64 and 4 warps. The chunk cap follows."""
+    from hla_sp.kernels.chunk import chunk_tile, tiling
+
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert (tiling(torch.float32).block, tiling(torch.float32).num_warps) == (32, 8)
+        assert chunk_tile(64, torch.float32) == 32 and chunk_tile(16, torch.float32) == 16
+        torch.set_float32_matmul_precision("high")  # TF32
+        assert (tiling(torch.float32).block, tiling(torch.float32).num_warps) == (64, 4)
+        assert chunk_tile(64, torch.float32) == 64
+    finally:
+        torch.set_float32_matmul_precision(before)
+    for dt in (torch.bfloat16, torch.float16):
+        assert tiling(dt).block == 64 and chunk_tile(128, dt) == 64
+
+
+def test_fused_hla2_sequential_refuses_fp32_k128(kernels: ModuleType) -> None:
+    """fp32 sequential at K = 128 would ask for more shared memory than any arch allows
+    (246 KB, 295 KB with TF32): refused before launch with the reason; bf16 runs."""
+    def qkv(dtype: torch.dtype) -> torch.Tensor:
+        return torch.randn(1, 3, 1, 128, device=DEVICE).to(dtype)
+
+    x = qkv(torch.float32)
+    before = kernels.LAUNCHES["fused_hla2_fwd_kernel"]
+    with pytest.raises(ValueError, match=r"fp32 inputs need K <= 64, got K = 128.*shared"):
+        hla2_fused(x, x, x, mode="sequential")
+    assert kernels.LAUNCHES["fused_hla2_fwd_kernel"] == before
+    o, _ = hla2_fused(*(qkv(torch.bfloat16) for _ in range(3)), mode="sequential")
+    assert kernels.LAUNCHES["fused_hla2_fwd_kernel"] == before + 1
+    assert o.shape == (1, 3, 1, 128) and bool(torch.isfinite(o.float()).all())
