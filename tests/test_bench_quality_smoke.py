@@ -1,0 +1,55 @@
+"""Smoke tests of the quality benchmarks (recall, language modelling, the diagnosis):
+they run, write well-formed JSON and a PNG, and the MQAR data is what it claims to be.
+Nothing here judges learning: ``make bench-recall`` measures it (docs/quality.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+
+
+def _run(args: list[str], cwd: Path) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True,
+                       timeout=600, env=env)
+    assert r.returncode == 0, f"{args} exited {r.returncode}\n{r.stdout}\n{r.stderr}"
+
+
+def test_mqar_batch_labels_the_values_of_earlier_keys() -> None:
+    sys.path.insert(0, str(BENCH))
+    from bench_recall import mqar_batch
+
+    x, y = mqar_batch(8, 64, 4, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (8, 64)
+    for b in range(8):
+        pairs = {int(x[b, i]): int(x[b, i + 1]) for i in range(0, 8, 2)}
+        assert all(1 <= k < 128 for k in pairs) and all(128 <= v < 256 for v in pairs.values())
+        where = (y[b] != -100).nonzero().flatten().tolist()
+        assert len(where) == 4 and min(where) >= 8
+        for t in where:  # a queried key, labelled with the value it was paired with
+            assert int(y[b, t]) == pairs[int(x[b, t])]
+        assert int((x[b, 8:] == 0).sum()) == 56 - 8  # the rest is the filler 0
+
+
+def test_recall_and_lm_quick_runs_write_json_and_png(tmp_path: Path) -> None:
+    _run([str(BENCH / "bench_recall.py"), "--quick", "--mixers", "softmax,linear,hla3",
+          "--jobs", "1", "--out", str(tmp_path)], tmp_path)
+    res = json.loads((tmp_path / "recall.json").read_text())
+    assert [r["mixer"] for r in res["results"]] == ["softmax", "linear", "hla3"]
+    for r in res["results"]:
+        assert 0.0 <= r["acc"] <= 1.0 and r["curve"] and r["curve"][-1]["step"] == r["steps"]
+    assert (tmp_path / "recall.png").stat().st_size > 0
+    _run([str(BENCH / "bench_lm.py"), "--quick", "--mixers", "linear,hla2", "--jobs", "1",
+          "--out", str(tmp_path)], tmp_path)
+    lm = json.loads((tmp_path / "lm.json").read_text())
+    assert {r["mixer"] for r in lm["results"]} == {"linear", "hla2"}
+    assert all(0 < r["valid_loss"] < 10 for r in lm["results"])
+    assert (tmp_path / "lm.png").stat().st_size > 0
