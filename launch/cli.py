@@ -132,6 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "make-dataset":
         from hla_sp.launch.make_dataset import main as make_main
 
+        try:
+            require("megatron", "hla-sp make-dataset")  # its writer is Megatron's
+        except ConfigError as e:
+            print(f"hla-sp make-dataset: error: {e}", file=sys.stderr)
+            return 2
+
         return make_main(rest)
     print(f"hla-sp: unknown command {cmd!r}\n{usage}", file=sys.stderr)
     return 2
