@@ -77,6 +77,14 @@ demo-1m: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_ops.py --threads 1
 
+# Recall across context-parallel ranks: the pairs on rank 0, the queries on rank 3.
+demo-recall: $(STAMP)
+	$(PY) -m hla_sp.launch.cli train --nproc-per-node 4 --context-parallel-size 4 \
+	    --data synthetic-recall --recall-pairs 4 --seq-length 64 --num-layers 2 \
+	    --hidden-size 64 --num-attention-heads 2 --micro-batch-size 32 --train-iters 400 \
+	    --lr 3e-3 --lr-warmup-iters 20 --eval-interval 50 --eval-iters 2 --log-interval 50 \
+	    --log-jsonl runs/demo-recall/metrics.jsonl
+
 # Does the layer learn from context? MQAR for every mixer (about 30 min), then the
 # variants of the study (about 20 min), then byte-level language modelling (about 15 min).
 bench-recall: $(STAMP)

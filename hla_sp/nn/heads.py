@@ -32,6 +32,7 @@ from hla_sp.ops.chunk import compute_dtype
 from hla_sp.ops.sharding import SequenceParallelism
 
 DEFAULTS = HLAConfig()
+HEADS_OPTIONS = tuple(DEFAULTS.heads_kwargs())  # the HLA options the layers take
 # RetNet's schedule: gamma_h = 1 - 2^-(5 + ...) spread over [2^-5, 2^-12], i.e. memory
 # windows of about 32 to 4096 tokens.
 RETNET_LOG2_RANGE = (5.0, 12.0)

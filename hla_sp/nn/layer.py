@@ -8,12 +8,13 @@ at a time in O(1) of the context length.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
 
 from hla_sp.config import HLAConfig
-from hla_sp.nn.heads import DEFAULTS, HLAHeads
+from hla_sp.nn.heads import HEADS_OPTIONS, HLAHeads
 from hla_sp.ops import validate
 from hla_sp.ops.sharding import SequenceParallelism
 
@@ -28,10 +29,11 @@ class HLAttention(nn.Module):
         num_heads: query heads Hq.
         head_dim: per-head width K (= V); default hidden_size // num_heads.
         num_kv_heads: key/value heads (GQA/MQA); default num_heads.
-        operator, decay, qk_norm, output_norm, first_order, short_conv, normalize, eps,
-            ridge, scale, chunk_size: as in :class:`HLAHeads` (defaults: those of
-            :class:`hla_sp.config.HLAConfig`).
         bias: biases in the projections.
+        options: the HLA options, keyword-only, as :class:`HLAHeads` takes them: operator,
+            decay, qk_norm, output_norm, first_order, short_conv, normalize, eps, ridge,
+            scale, chunk_size (the fields of :class:`hla_sp.config.HLAConfig`, whose
+            defaults they have).
     """
 
     def __init__(
@@ -41,20 +43,10 @@ class HLAttention(nn.Module):
         head_dim: int | None = None,
         num_kv_heads: int | None = None,
         *,
-        operator: str = DEFAULTS.operator,
-        decay: str = DEFAULTS.decay,
-        qk_norm: bool = DEFAULTS.qk_norm,
-        output_norm: bool = DEFAULTS.output_norm,
-        first_order: bool = DEFAULTS.first_order,
-        short_conv: int = DEFAULTS.short_conv,
-        normalize: bool = DEFAULTS.normalize,
-        eps: float = DEFAULTS.eps,
-        ridge: float = DEFAULTS.ridge,
-        scale: float | None = DEFAULTS.scale,
-        chunk_size: int = DEFAULTS.chunk_size,
         bias: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        **options: Any,
     ):
         super().__init__()
         self.hidden_size = validate.check_pos_int("hidden_size", hidden_size)
@@ -64,12 +56,11 @@ class HLAttention(nn.Module):
                 raise ValueError(f"head_dim: needed, as num_heads = {num_heads} does not "
                                  f"divide hidden_size = {hidden_size}")
             head_dim = hidden_size // num_heads
-        self.heads = HLAHeads(
-            num_heads, num_kv_heads, head_dim, operator=operator, decay=decay, qk_norm=qk_norm,
-            output_norm=output_norm, first_order=first_order, short_conv=short_conv,
-            normalize=normalize, eps=eps,
-            ridge=ridge, scale=scale, chunk_size=chunk_size, device=device, dtype=dtype,
-        )
+        unknown = sorted(set(options) - set(HEADS_OPTIONS))
+        if unknown:
+            raise TypeError(f"options: expected HLA options among {HEADS_OPTIONS}, got {unknown}")
+        self.heads = HLAHeads(num_heads, num_kv_heads, head_dim, device=device, dtype=dtype,
+                              **options)
         Hq, Hkv, K = self.heads.num_heads, self.heads.num_kv_heads, self.heads.head_dim
         fk = dict(bias=bias, device=device, dtype=dtype)
         self.q_proj = nn.Linear(hidden_size, Hq * K, **fk)
