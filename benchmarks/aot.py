@@ -40,8 +40,9 @@ RESULTS = ROOT / "benchmarks" / "results" / "aot.json"
 DOC = ROOT / "docs" / "benchmarks.md"
 ARCHS = {"sm_90a": 90, "sm_80": 80}
 SHARED_LIMIT = {"sm_90a": 232_448, "sm_80": 166_912}  # opt-in max per block, bytes
-KERNEL_FILES = ("_decay.py", "_jit.py", "chunk.py", "chunk_fwd_kernels.py",
-                "chunk_bwd_kernels.py", "hla2_fused.py", "hla2_fused_kernels.py")
+# what a compile depends on besides the job itself (launchers only choose the jobs)
+KERNEL_FILES = ("_decay.py", "_jit.py", "chunk_fwd_kernels.py", "chunk_bwd_kernels.py",
+                "hla2_fused_kernels.py")
 TABLE_BEGIN = "<!-- aot-table:begin (make gpu-aot writes this table) -->"
 TABLE_END = "<!-- aot-table:end -->"
 
@@ -200,7 +201,7 @@ def _compile_one(job: dict[str, Any], arch: str, src_hash: str) -> dict[str, Any
     os.environ["TRITON_INTERPRET"] = "0"
     os.environ.setdefault("TRITON_CACHE_DIR", str(CACHE / "triton"))
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    out: dict[str, Any] = {"arch": arch}
+    out: dict[str, Any] = {"arch": arch, "job": _describe(job)}
     try:
         import hla_sp.kernels.chunk_bwd_kernels
         import hla_sp.kernels.chunk_fwd_kernels
@@ -260,6 +261,7 @@ def compile_all(configs: list[dict[str, Any]], workers: int | None = None) -> li
             os.environ["TRITON_INTERPRET"] = env_before
     rows = []
     for (c, arch), res in zip(jobs, results, strict=True):
+        res = {k: v for k, v in res.items() if k != "job"}
         rows.append({**_describe(c), **res, "arch": arch, "default": c["default"],
                      "used_by": c["used_by"]})
     return rows

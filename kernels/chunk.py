@@ -91,19 +91,25 @@ class Tiling:
     chunk: int  # largest BT (chunk length)
     block: int  # largest BK / BV
     num_warps: int
+    # K tile of the kernels with the most live tiles (dq/dk, hla2's output): each holds
+    # several [BT, BT] and [BT, BK] fp32 tiles at once, and spilled 12-304 B at 32
+    narrow: int = 16
 
 
 def tiling(dtype: torch.dtype) -> Tiling:
     """The launch shape for inputs of ``dtype`` (and torch's fp32 matmul precision).
 
-    IEEE fp32 dots have no tensor-core form: each becomes FMAs whose operands are
-    spread over the threads, and 64-wide tiles at 4 warps spill 8-56 KB per thread
-    (ptxas falls back to 32 registers). 32-wide tiles, 32-token chunks and 8 warps
-    spill nothing. 16-bit and TF32 dots run on tensor cores at 64-wide tiles.
+    Measured with the gate (per thread, chunk 64, K = V = 128, every flag on): at
+    64-wide K/V tiles and 4 warps the output and gradient kernels spill on both archs,
+    0.7-2.5 KB with tensor-core dots (bf16, fp16, TF32; 14-16 KB for bf16 dq/dk on
+    sm_80), and IEEE fp32 dots, which have no tensor-core form and become FMA code,
+    fall to 32 registers with 2-60 KB of spills. 32-wide tiles and 8 warps halve each
+    thread's share of the [BT, BT] and [BT, BK] tiles; IEEE fp32 also needs 32-token
+    chunks (dq/dk still spilled 0.2 KB at 64).
     """
     if dtype == torch.float32 and _dot_precision(dtype) == "ieee":
         return Tiling(chunk=32, block=32, num_warps=8)
-    return Tiling(chunk=MAX_CHUNK, block=64, num_warps=4)
+    return Tiling(chunk=MAX_CHUNK, block=32, num_warps=8)
 
 
 def chunk_tile(chunk_size: int, dtype: torch.dtype | None = None) -> int:
@@ -248,15 +254,17 @@ def chunk_bwd(
     state_passing(dhs, g, resets, dht, dh0, T, BT, reverse=True)
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dv = torch.empty_like(v)
-    dA = torch.empty(NK, B, T, H, dtype=torch.float32, device=q.device) if HAS_G else None
+    BKn = _block(K, tl_.narrow)  # dq/dk's own K tile, and its number of K blocks
+    NKn = triton.cdiv(K, BKn)
+    dA = torch.empty(NKn, B, T, H, dtype=torch.float32, device=q.device) if HAS_G else None
     chunk_bwd_dv_kernel[(N, NV, B * H)](
         q, k, do, dhs, g, resets, dv, T, H, K, V, N,
         BT=BT, BK=BK, BV=BV, HAS_G=HAS_G, HAS_R=HAS_R, DOT_PREC=prec, UPCAST=_upcast(q.dtype),
         num_warps=nw,
     )
-    chunk_bwd_dqk_kernel[(N, NK, B * H)](
+    chunk_bwd_dqk_kernel[(N, NKn, B * H)](
         q, k, v, do, hs, dhs, g, resets, dq, dk, dA, T, H, K, V, N,
-        BT=BT, BK=BK, BV=BV, HAS_G=HAS_G, HAS_R=HAS_R, DOT_PREC=prec, UPCAST=_upcast(q.dtype),
+        BT=BT, BK=BKn, BV=BV, HAS_G=HAS_G, HAS_R=HAS_R, DOT_PREC=prec, UPCAST=_upcast(q.dtype),
         num_warps=nw,
     )
     dg = None
@@ -267,7 +275,7 @@ def chunk_bwd(
         else:
             d_last = torch.zeros(B, H, dtype=torch.float32, device=q.device)
         dg = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
-        reverse_cumsum_kernel[(B * H,)](dA, d_last, dg, B, T, H, N, NK=NK, BT=BT)
+        reverse_cumsum_kernel[(B * H,)](dA, d_last, dg, B, T, H, N, NK=NKn, BT=BT)
     return dq, dk, dv, dg, dh0
 
 

@@ -91,7 +91,7 @@ def fused_hla2_fwd(
         state_passing(hs, g, resets, H0, H_T, T, BT, reverse=False)
         hla2_fwd_o_kernel[(N, NV, B * H)](
             q, k, v, Ss, hs, g, resets, o, float(ridge), T, H, K, V, N,
-            BT=BT, BK=BK, BV=BV, **flags, num_warps=tl_.num_warps,
+            BT=BT, BK=_block(K, tl_.narrow), BV=BV, **flags, num_warps=tl_.num_warps,
         )
         assert S_T is not None
         return o, S_T, H_T

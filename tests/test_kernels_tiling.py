@@ -26,8 +26,8 @@ def kernels(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 
 
 def test_tiling_per_dtype_and_precision(monkeypatch: pytest.MonkeyPatch) -> None:
-    """IEEE fp32 (FMA dots) gets 32-wide tiles, 32-token chunks and 8 warps; TF32 and
-    16-bit inputs (tensor cores) 64 and 4 warps. The chunk cap follows."""
+    """32-wide K/V tiles and 8 warps everywhere; IEEE fp32 (FMA dots) also 32-token
+    chunks, TF32 and 16-bit inputs (tensor cores) 64. The chunk cap follows."""
     from hla_sp.kernels.chunk import chunk_tile, tiling
 
     before = torch.get_float32_matmul_precision()
@@ -36,12 +36,12 @@ def test_tiling_per_dtype_and_precision(monkeypatch: pytest.MonkeyPatch) -> None
         assert (tiling(torch.float32).block, tiling(torch.float32).num_warps) == (32, 8)
         assert chunk_tile(64, torch.float32) == 32 and chunk_tile(16, torch.float32) == 16
         torch.set_float32_matmul_precision("high")  # TF32
-        assert (tiling(torch.float32).block, tiling(torch.float32).num_warps) == (64, 4)
+        assert (tiling(torch.float32).block, tiling(torch.float32).num_warps) == (32, 8)
         assert chunk_tile(64, torch.float32) == 64
     finally:
         torch.set_float32_matmul_precision(before)
     for dt in (torch.bfloat16, torch.float16):
-        assert tiling(dt).block == 64 and chunk_tile(128, dt) == 64
+        assert tiling(dt).block == 32 and chunk_tile(128, dt) == 64
 
 
 def test_fused_hla2_sequential_refuses_fp32_k128(kernels: ModuleType) -> None:
