@@ -1,7 +1,8 @@
 """Roofline model of hla2 on the Triton kernels (a model, not a measurement).
 
-B = 1, H = 16, K = V = 128, bf16 inputs, fp32 states and outputs, chunk 64, 64-wide
-K/V tiles. Each kernel's time is max(FLOPs / peak, bytes / bandwidth, serial chunk
+B = 1, H = 16, K = V = 128, bf16 inputs, fp32 states and outputs, the launch shapes of
+``hla_sp.kernels.chunk.tiling`` for bf16: chunk 64, 32-wide K/V tiles, 16-wide K tiles
+in dq/dk. Each kernel's time is max(FLOPs / peak, bytes / bandwidth, serial chunk
 steps x STEP); the script prints the markdown tables of docs/benchmarks.md.
 Usage: ``python benchmarks/roofline.py``.
 """
@@ -9,7 +10,7 @@ Usage: ``python benchmarks/roofline.py``.
 from __future__ import annotations
 
 GPUS = {"H200": (989e12, 4.8e12), "H100 SXM": (989e12, 3.35e12)}  # bf16 FLOP/s, B/s
-H, K, V, BT, BKV = 16, 128, 128, 64, 64
+H, K, V, BT, BKV, BKN = 16, 128, 128, 64, 32, 16
 STEP = 0.7e-6  # one dependent chunk step of the state passing (load + store), assumed
 E = 2  # bytes per bf16 element; states and outputs are fp32 (4)
 
@@ -19,6 +20,7 @@ Kernel = tuple[str, float, float, int]  # name, FLOPs, bytes, serial steps
 def primitive(T: int, Vd: int, bwd: bool = False) -> list[Kernel]:
     """Kernels of one primitive call (all heads): forward, or backward with recompute."""
     N, NK, NV = T // BT, K // BKV, Vd // BKV
+    NKN = K // BKN  # dq/dk's K blocks: each recomputes do v^T
     ks = [
         ("chunk_state", 2 * BT * K * Vd * N * H,
          (N * BT * (K + Vd) * E * max(NK, NV) + N * K * Vd * 4) * H, 0),
@@ -32,13 +34,13 @@ def primitive(T: int, Vd: int, bwd: bool = False) -> list[Kernel]:
         return ks
     ks += [
         ("chunk_state (dh; h recomputed)", 2 * 2 * BT * K * Vd * N * H,
-         2 * (N * BT * (K + Vd) * E * 2 + N * K * Vd * 4) * H, 0),
+         2 * (N * BT * (K + Vd) * E * max(NK, NV) + N * K * Vd * 4) * H, 0),
         ("state_passing (reverse)", 2 * K * Vd * N * H, 2 * N * K * Vd * 4 * H, N),
         ("chunk_bwd_dv", (2 * BT * BT * K * NV + 2 * BT * K * Vd + 2 * BT * BT * Vd) * N * H,
          (N * BT * 2 * K * E * NV + N * BT * Vd * E * 2 + N * K * Vd * 4) * H, 0),
-        ("chunk_bwd_dqk", (2 * BT * BT * Vd * NK + 4 * BT * Vd * K + 4 * BT * BT * K) * N * H,
-         (N * BT * 2 * Vd * E * NK + 2 * N * K * Vd * 4 + N * BT * 2 * K * E * 2
-          + N * BT * 4 * NK) * H, 0),
+        ("chunk_bwd_dqk", (2 * BT * BT * Vd * NKN + 4 * BT * Vd * K + 4 * BT * BT * K) * N * H,
+         (N * BT * 2 * Vd * E * NKN + 2 * N * K * Vd * 4 + N * BT * 2 * K * E * 2
+          + N * BT * 4 * NKN) * H, 0),
     ]
     return ks
 
