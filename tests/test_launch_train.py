@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
@@ -72,8 +73,11 @@ def test_checkpoints_are_complete_and_weights_only(runs: dict) -> None:
     assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["iter_0000003", "iter_0000006"]
     assert not list(ckpt.glob("*.tmp*")) and not list(ckpt.glob("*/*.tmp*"))
     names = sorted(p.name for p in (ckpt / "iter_0000003").iterdir())
-    assert names == ["model_optim_tp00.pt", "rng_rank00000.pt", "rng_rank00001.pt"]
-    for name in names:
+    # config.json: what --load compares before any process group (no weights read)
+    assert names == ["config.json", "model_optim_tp00.pt", "rng_rank00000.pt",
+                     "rng_rank00001.pt"]
+    assert json.loads((ckpt / "iter_0000003" / "config.json").read_text())["seq_length"] == 64
+    for name in names[1:]:
         torch.load(ckpt / "iter_0000003" / name, weights_only=True)
 
 
@@ -141,7 +145,7 @@ def test_save_is_atomic_when_interrupted(tmp_path: Path, monkeypatch: pytest.Mon
         fresh_opt = torch.optim.AdamW(fresh.parameters())
         pos = checkpoint.load(str(tmp_path / "c"), rank=0, world_size=1, tp_rank=0, model=fresh,
                               optimizer=fresh_opt, scheduler=sched)  # fmt: skip
-        assert pos == {"iteration": 1, "consumed_samples": 10}
+        assert pos == {"iteration": 1, "consumed_samples": 10, "extra": {}}
         assert torch.equal(fresh.weight, saved)
     finally:
         dist.destroy_process_group()
