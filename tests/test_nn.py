@@ -326,7 +326,7 @@ def test_short_conv_is_a_causal_depthwise_conv_per_document():
     from hla_sp.nn.conv import ShortConv
 
     torch.manual_seed(0)
-    conv = ShortConv(5, 4).double()
+    conv = ShortConv([("x", 5, 5, 0)], 4).double()
     x = torch.randn(1, 13, 5, dtype=F64)
     bounds = [0, 2, 2, 9, 13]  # an empty document and one shorter than W-1
     carried = torch.randn(4, 3, 5, dtype=F64)
@@ -344,3 +344,16 @@ def test_short_conv_is_a_causal_depthwise_conv_per_document():
     assert (y0 - y).abs()[0, :2].max() > 1e-3 and (y0 - y).abs()[0, 6:9].max() == 0
     with pytest.raises(ValueError, match="initial_state"):
         conv(x, bounds=bounds, state=carried[:2])
+
+
+def test_short_conv_is_the_same_model_under_tensor_parallelism():
+    """Each tensor-parallel rank's conv holds its heads' rows of the TP=1 weights, for q
+    (query heads) and k, v (kv heads) alike, so TP=2 starts from TP=1's model."""
+    torch.manual_seed(0)
+    full = HLAHeads(4, 2, 3)
+    for rank in range(2):
+        torch.manual_seed(0)
+        part = HLAHeads(2, 1, 3, head_offset=rank, total_kv_heads=2)
+        for name, rows in (("q", 6), ("k", 3), ("v", 3)):
+            want = getattr(full.conv, name)[rank * rows : (rank + 1) * rows]
+            torch.testing.assert_close(getattr(part.conv, name), want, rtol=0, atol=0)

@@ -68,25 +68,49 @@ class _Layout:
 class ShortConv(nn.Module):
     """Depthwise causal convolution with W taps and SiLU, per channel.
 
+    The channels come in named groups (q, k and v), each its own parameter ``[local, W]``
+    so that a tensor-parallel rank holds the rows of its heads, split along dim 0 like
+    the projections. Initialisation draws every group's full ``[total, W]`` weight from
+    the default generator and keeps this rank's rows: the same model whatever the
+    tensor-parallel size (the draw does not depend on it).
+
     Args:
-        channels: C, the channels convolved (q, k and v side by side).
+        groups: (name, local channels, total channels over ranks, offset of the local
+            ones) per group, in the order the channels sit side by side.
         kernel_size: W >= 2 taps (the token itself and W-1 before it).
     """
 
-    def __init__(self, channels: int, kernel_size: int, *, device=None, dtype=None):
+    def __init__(self, groups: list[tuple[str, int, int, int]], kernel_size: int, *,
+                 device=None, dtype=None):
         super().__init__()
         if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 2:
             raise ValueError(f"kernel_size: expected an int >= 2, got {kernel_size!r}")
-        self.channels, self.kernel_size = channels, kernel_size
-        # weight[:, d] multiplies x_{t-d}.
-        self.weight = nn.Parameter(torch.empty(channels, kernel_size, device=device, dtype=dtype))
+        for name, local, total, offset in groups:
+            if not 0 <= offset <= total - local:
+                raise ValueError(f"groups: {name} expected 0 <= offset <= total - local, got "
+                                 f"offset {offset}, local {local}, total {total}")
+        self.groups, self.kernel_size = list(groups), kernel_size
+        self.channels = sum(g[1] for g in groups)
+        for name, local, _, _ in groups:
+            # [:, d] multiplies x_{t-d}.
+            self.register_parameter(name, nn.Parameter(
+                torch.empty(local, kernel_size, device=device, dtype=dtype)))
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """PyTorch's Conv1d initialisation for a depthwise kernel: U(-1/sqrt(W), 1/sqrt(W))."""
+        """PyTorch's Conv1d initialisation for a depthwise kernel, U(-1/sqrt(W), 1/sqrt(W)),
+        drawn for all ranks' channels and sliced to this rank's."""
         bound = self.kernel_size ** -0.5
-        self.weight.uniform_(-bound, bound)
+        for name, local, total, offset in self.groups:
+            full = torch.empty(total, self.kernel_size, dtype=torch.float32).uniform_(
+                -bound, bound)
+            getattr(self, name).copy_(full[offset : offset + local])
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """All groups' taps side by side, [C, W]."""
+        return torch.cat([getattr(self, name) for name, *_ in self.groups])
 
     def forward(
         self,

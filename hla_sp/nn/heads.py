@@ -152,7 +152,14 @@ class HLAHeads(nn.Module):
         self.norm_weight = param((Hq, K), self.output_norm)
         self.key_mix = param((Hq,), self.first_order and self.operator in KEY_MIX_OPS)
         self.value_mix = param((Hq,), self.first_order and self.operator in VALUE_MIX_OPS)
-        self.conv = ShortConv((Hq + 2 * Hkv) * K, c.short_conv, **fk) if c.short_conv else None
+        self.conv = None
+        if c.short_conv:
+            # Channels of q (query heads), k and v (kv heads), with their place among all
+            # tensor-parallel ranks' heads.
+            G, kv0, kv_all = Hq // Hkv, self.head_offset, self.total_kv_heads
+            self.conv = ShortConv([("q", Hq * K, kv_all * G * K, kv0 * G * K),
+                                   ("k", Hkv * K, kv_all * K, kv0 * K),
+                                   ("v", Hkv * K, kv_all * K, kv0 * K)], c.short_conv, **fk)
         self.reset_parameters()
 
     def _schedule(self, device: torch.device | None = None) -> torch.Tensor:
