@@ -207,11 +207,9 @@ def tp_cp_task(rank: int, world_size: int, tp: int, case: dict) -> dict:
 def test_tp2_cp2_matches_tp1_cp1(world):
     """4 gloo ranks, TP = 2 x CP = 2: the heads split over TP (GQA: one KV group per
     rank), the sequence over CP; loss and every token's loss equal TP = 1 x CP = 1."""
-    # short_conv=0: the short convolution's weight is drawn on each TP rank for its own
-    # channels (q, k, v side by side), not cut from one weight as Megatron's are under
-    # use_cpu_initialization, so TP = 2 would start from another model. Everything else
-    # of HLA (first-order path included) starts the same at every TP size.
-    case = dict(CASES["gqa-hla2-learned"], options={"short_conv": 0})
+    # The defaults, short convolution included: its q, k, v taps are drawn for all TP
+    # ranks and cut by heads, so TP = 2 starts from TP = 1's model.
+    case = CASES["gqa-hla2-learned"]
     ref = world(1).run(tp_cp_task, 1, case)[0]
     outs = world(4).run(tp_cp_task, 2, case)
     per_token = torch.full_like(ref["per_token"], float("nan"))

@@ -159,13 +159,10 @@ def test_real_pretrain_018_provider_api_cp2_equals_cp1():
 def test_real_pretrain_tp2_cp2_equals_tp1_cp1():
     """4 gloo ranks: TP = 2 x CP = 2. The batch is broadcast over the TP group and split
     over the CP group (an explicit group: None means WORLD from 0.18)."""
-    # --hla-short-conv 0: the short convolution's weight is drawn per TP rank (not cut
-    # from one weight as Megatron's are under --use-cpu-initialization), so TP = 2 would
-    # start from another model; see tests/test_megatron_cp.py.
-    conv0 = ("--hla-short-conv", "0")
-    r1, ref = run_once("0.19.2", 1, *HLA, *conv0)
+    # The defaults, short convolution included (its taps are cut by heads over TP).
+    r1, ref = run_once("0.19.2", 1, *HLA)
     ok(r1, ref, "0.19.2 HLA TP=1 CP=1")
-    r4, tpcp = run_once("0.19.2", 4, *HLA, *conv0, *CP2, "--tensor-model-parallel-size", "2")
+    r4, tpcp = run_once("0.19.2", 4, *HLA, *CP2, "--tensor-model-parallel-size", "2")
     ok(r4, tpcp, "0.19.2 HLA TP=2 CP=2")
     assert close(tpcp, ref), (ref, tpcp)
 
