@@ -194,13 +194,9 @@ def test_benchmarks_default_to_runs_not_the_committed_results() -> None:
         assert p.returncode == 0 and "benchmarks/results/" not in p.stdout.split("--out")[1][:80]
 
 
-# Named in the docs but not in the repository, for a reason: a file written on a GPU
-# machine by the command the text gives, and a page the recall study adds (its
-# engineer's; hla_sp/config.py cites it too).
-NOT_COMMITTED = {
-    "docs/benchmarks.md: benchmarks/results/aot.json",  # `make gpu-aot` writes it
-    "docs/layer.md: docs/quality.md",  # pending: the recall study's page
-}
+# Named in the docs but not in the repository, for a reason (none today: every result
+# the docs cite is committed).
+NOT_COMMITTED: set[str] = set()
 
 
 def test_docs_reference_files_that_exist() -> None:
