@@ -76,7 +76,7 @@ def test_documented_hla_sp_train_lines_pass_their_checks(
     """Each ``hla-sp train`` line, as written (placeholders aside): the launcher flags and
     the trainer flags are checked against the world it names; a GPU line is checked
     with CUDA taken as present and refused on CPU only for its CUDA-only flags."""
-    from hla_sp.launch import cli, config
+    from hla_sp.launch import checks, cli
 
     cmds = _commands(doc, "hla-sp train")
     assert cmds, f"{doc} has no hla-sp train line"
@@ -88,7 +88,7 @@ def test_documented_hla_sp_train_lines_pass_their_checks(
             argv[argv.index("--nproc-per-node") + 1] == "8"))
         with monkeypatch.context() as m:
             if gpu:
-                m.setattr(config, "_cuda_available", lambda: True)
+                m.setattr(checks, "_cuda_available", lambda: True)
             assert cli.main(["train", "--dry-run", *argv]) == 0, argv
 
 

@@ -151,13 +151,13 @@ def test_loss_scaler_grows_after_a_clean_window() -> None:
 
 
 def test_rope_refused_on_cpu_and_accepted_with_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hla_sp.launch import config
+    from hla_sp.launch import checks
 
     cfg = parse_args([*TINY, "--position-embedding-type", "rope"])
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="rope: megatron-core's rotary embedding runs on"):
             validate(cfg, 1)
-    monkeypatch.setattr(config, "_cuda_available", lambda: True)
+    monkeypatch.setattr(checks, "_cuda_available", lambda: True)
     validate(cfg, 1)
 
 
