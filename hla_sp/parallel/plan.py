@@ -19,6 +19,9 @@ import torch.distributed as dist
 
 from hla_sp.parallel.layouts import Piece
 
+# The exchanges of summaries a call can use (SequenceParallel.method, Plan.method).
+METHODS = ("allgather", "ring", "tree")
+
 
 class Chain:
     """The latest ordering token of one call's collectives (mutable, shared by its stages)."""
@@ -34,7 +37,7 @@ class Plan:
     rank: int
     world_size: int
     group: dist.ProcessGroup
-    method: str  # "allgather" | "ring" | "tree"
+    method: str  # one of METHODS
     overlap: bool  # compute the local outputs while the exchange is in flight
     lengths: tuple[int, ...]  # local T of every rank
     pieces: tuple[Piece, ...]  # every piece, in global order
