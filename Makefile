@@ -81,8 +81,8 @@ bench: $(STAMP)
 demo-recall: $(STAMP)
 	$(PY) -m hla_sp.launch.cli train --nproc-per-node 4 --context-parallel-size 4 \
 	    --data synthetic-recall --recall-pairs 4 --seq-length 64 --num-layers 2 \
-	    --hidden-size 64 --num-attention-heads 2 --micro-batch-size 32 --train-iters 400 \
-	    --lr 3e-3 --lr-warmup-iters 20 --eval-interval 50 --eval-iters 2 --log-interval 50 \
+	    --hidden-size 64 --num-attention-heads 2 --micro-batch-size 64 --train-iters 600 \
+	    --lr 3e-3 --lr-warmup-iters 50 --eval-interval 50 --eval-iters 2 --log-interval 50 \
 	    --log-jsonl runs/demo-recall/metrics.jsonl
 
 # Does the layer learn from context? MQAR for every mixer (about 30 min), then the
