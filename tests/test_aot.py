@@ -5,9 +5,9 @@ and the wheel's ``ptxas -v`` reports registers and spills.
 
 The quick matrix (:func:`aot.cases` with ``full=False``: chunk 64, K = V = 128, every
 flag on, every operator and dtype) runs with the slow tests (``make test-slow``);
-``make gpu-aot`` runs the full one. Compiles run in parallel processes and are cached by source hash under
-``.aot-cache/`` (gitignored), so only the first run after a kernel change pays for
-them (minutes on two cores).
+``make gpu-aot`` runs the full one. Compiles run in parallel processes and are cached
+by source hash under ``.aot-cache/`` (gitignored), so only the first run after a kernel
+change pays for them (minutes on two cores).
 """
 
 from __future__ import annotations
