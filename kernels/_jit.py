@@ -57,6 +57,8 @@ def interpreter_mismatch() -> str | None:
 
 
 _STDLIB_INTERPRETED: dict[int, Any] = {}
+# Modules defining jit helpers: a helper that calls another helper looks it up there.
+_HELPER_MODULES: set[str] = set()
 
 
 def jit_helper(fn: Callable[..., Any]) -> Any:
@@ -68,19 +70,22 @@ def jit_helper(fn: Callable[..., Any]) -> Any:
     """
     from triton.runtime.jit import JITFunction
 
+    _HELPER_MODULES.add(fn.__module__)
     return JITFunction(fn)
 
 
 @contextmanager
 def _interpretable_stdlib(*extra: Any) -> Iterator[None]:
     """Interpreter builds of Triton's jitted standard library and of the jitted helpers
-    bound in the modules ``extra`` (the launching kernel's module), for one launch."""
+    bound in the modules ``extra`` (the launching kernel's module) and in the helpers'
+    own modules (helpers calling helpers), for one launch."""
     import triton.language.standard as standard
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
     swapped = []
-    for mod in (triton.language, standard, triton.language.math, *extra):
+    helpers = [sys.modules[m] for m in sorted(_HELPER_MODULES)]
+    for mod in (triton.language, standard, triton.language.math, *extra, *helpers):
         for name, val in list(vars(mod).items()):
             if isinstance(val, JITFunction):
                 if id(val) not in _STDLIB_INTERPRETED:

@@ -10,6 +10,7 @@ import triton.language as tl
 
 from ._decay import in_chunk_decay
 from ._jit import lazy_jit
+from ._round import operand, round_to
 
 
 @lazy_jit
@@ -59,15 +60,16 @@ def chunk_bwd_dv_kernel(
         if UPCAST:
             b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
         b_At += tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC)
-        b_dh = b_dh.to(q.dtype.element_ty).to(b_k.dtype)
+        b_dh = operand(b_dh, q.dtype.element_ty, UPCAST)
         b_dv += tl.dot(b_k, b_dh, input_precision=DOT_PREC)
     p_v = ((i_b * T + o_t[:, None]) * H + i_h) * V + o_v[None, :]
     b_do = tl.load(do + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
     if UPCAST:
         b_do = b_do.to(tl.float32)
-    b_AD = (b_At * b_Dt).to(q.dtype.element_ty).to(b_do.dtype)
+    b_AD = operand(b_At * b_Dt, q.dtype.element_ty, UPCAST)
     b_dv = b_dv * b_ws[:, None] + tl.dot(b_AD, b_do, input_precision=DOT_PREC)
-    tl.store(dv + p_v, b_dv.to(dv.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+    tl.store(dv + p_v, round_to(b_dv, dv.dtype.element_ty, UPCAST),
+             mask=m_t[:, None] & m_v[None, :])
 
 
 @lazy_jit
@@ -125,8 +127,8 @@ def chunk_bwd_dqk_kernel(
         b_dh = tl.load(dhs + p_h, mask=m_k[:, None] & m_v[None, :], other=0.0)
         if UPCAST:
             b_v, b_do = b_v.to(tl.float32), b_do.to(tl.float32)
-        b_h = b_h.to(q.dtype.element_ty).to(b_do.dtype)
-        b_dh = b_dh.to(q.dtype.element_ty).to(b_v.dtype)
+        b_h = operand(b_h, q.dtype.element_ty, UPCAST)
+        b_dh = operand(b_dh, q.dtype.element_ty, UPCAST)
         b_dP += tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
         b_dq += tl.dot(b_do, tl.trans(b_h), input_precision=DOT_PREC)
         b_dk += tl.dot(b_v, tl.trans(b_dh), input_precision=DOT_PREC)
@@ -136,11 +138,11 @@ def chunk_bwd_dqk_kernel(
     b_k = tl.load(k + p_qk, mask=m_qk, other=0.0)
     if UPCAST:
         b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
-    b_dP = (b_dP * b_D).to(q.dtype.element_ty).to(b_q.dtype)
+    b_dP = operand(b_dP * b_D, q.dtype.element_ty, UPCAST)
     b_dq = b_dq * b_wc[:, None] + tl.dot(b_dP, b_k, input_precision=DOT_PREC)
     b_dk = b_dk * b_ws[:, None] + tl.dot(tl.trans(b_dP), b_q, input_precision=DOT_PREC)
-    tl.store(dq + p_qk, b_dq.to(dq.dtype.element_ty), mask=m_qk)
-    tl.store(dk + p_qk, b_dk.to(dk.dtype.element_ty), mask=m_qk)
+    tl.store(dq + p_qk, round_to(b_dq, dq.dtype.element_ty, UPCAST), mask=m_qk)
+    tl.store(dk + p_qk, round_to(b_dk, dk.dtype.element_ty, UPCAST), mask=m_qk)
     if HAS_G:
         # this K block's part of dA_t = q_t . dq_t - k_t . dk_t, from the fp32 values
         b_dA = tl.sum(b_q.to(tl.float32) * b_dq - b_k.to(tl.float32) * b_dk, 1)  # [BT]

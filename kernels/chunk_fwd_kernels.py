@@ -11,6 +11,7 @@ import triton.language as tl
 
 from ._decay import in_chunk_decay
 from ._jit import lazy_jit
+from ._round import operand, round_to
 
 
 @lazy_jit
@@ -63,7 +64,7 @@ def chunk_state_kernel(
     b_y = tl.load(p_y, mask=m_t[:, None] & m_y[None, :], other=0.0)
     if UPCAST:
         b_x, b_y = b_x.to(tl.float32), b_y.to(tl.float32)
-    b_xw = (b_x * b_w[:, None]).to(x.dtype.element_ty).to(b_y.dtype)  # [BT, BX]
+    b_xw = operand(b_x * b_w[:, None], x.dtype.element_ty, UPCAST)  # [BT, BX]
     b_s = tl.dot(tl.trans(b_xw), b_y, input_precision=DOT_PREC)  # [BX, BY]
     p_s = out + ((i_bh * N + i_n) * DX + o_x[:, None]) * DY + o_y[None, :]
     tl.store(p_s, b_s, mask=m_x[:, None] & m_y[None, :])
@@ -174,12 +175,12 @@ def chunk_fwd_o_kernel(
         if UPCAST:
             b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
         b_A += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
-        b_h = b_h.to(q.dtype.element_ty).to(b_q.dtype)
+        b_h = operand(b_h, q.dtype.element_ty, UPCAST)
         b_o += tl.dot(b_q, b_h, input_precision=DOT_PREC)
     p_v = ((i_b * T + o_t[:, None]) * H + i_h) * V + o_v[None, :]  # [BT, BV]
     b_v = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
     if UPCAST:
         b_v = b_v.to(tl.float32)
-    b_AD = (b_A * b_D).to(q.dtype.element_ty).to(b_v.dtype)
+    b_AD = operand(b_A * b_D, q.dtype.element_ty, UPCAST)
     b_o = b_o * b_wc[:, None] + tl.dot(b_AD, b_v, input_precision=DOT_PREC)
-    tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+    tl.store(o + p_v, round_to(b_o, o.dtype.element_ty, UPCAST), mask=m_t[:, None] & m_v[None, :])

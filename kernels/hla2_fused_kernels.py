@@ -10,6 +10,7 @@ import triton.language as tl
 
 from ._decay import in_chunk_decay
 from ._jit import lazy_jit
+from ._round import operand, round_to
 
 
 @lazy_jit
@@ -73,20 +74,21 @@ def fused_hla2_fwd_kernel(
             b_q, b_k, b_v = b_q.to(tl.float32), b_k.to(tl.float32), b_v.to(tl.float32)
         # stage 1: k~ [BT, BK] in fp32, kept on chip
         b_A = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * b_D
-        b_kt = tl.dot(b_A.to(q.dtype.element_ty).to(b_k.dtype), b_k, input_precision=DOT_PREC)
-        b_qS = tl.dot(b_q, b_S.to(q.dtype.element_ty).to(b_q.dtype), input_precision=DOT_PREC)
+        b_kt = tl.dot(operand(b_A, q.dtype.element_ty, UPCAST), b_k, input_precision=DOT_PREC)
+        b_qS = tl.dot(b_q, operand(b_S, q.dtype.element_ty, UPCAST), input_precision=DOT_PREC)
         b_kt = b_kt + b_wc[:, None] * b_qS + ridge * b_q.to(tl.float32)
-        b_ktd = b_kt.to(q.dtype.element_ty).to(b_q.dtype)  # dot operand
+        b_ktd = operand(b_kt, q.dtype.element_ty, UPCAST)  # dot operand
         # stage 2: o [BT, BV]
         b_B = tl.dot(b_q, tl.trans(b_ktd), input_precision=DOT_PREC) * b_D
-        b_o = tl.dot(b_B.to(q.dtype.element_ty).to(b_v.dtype), b_v, input_precision=DOT_PREC)
-        b_qH = tl.dot(b_q, b_H.to(q.dtype.element_ty).to(b_q.dtype), input_precision=DOT_PREC)
+        b_o = tl.dot(operand(b_B, q.dtype.element_ty, UPCAST), b_v, input_precision=DOT_PREC)
+        b_qH = tl.dot(b_q, operand(b_H, q.dtype.element_ty, UPCAST), input_precision=DOT_PREC)
         b_o += b_wc[:, None] * b_qH
-        tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+        tl.store(o + p_v, round_to(b_o, o.dtype.element_ty, UPCAST),
+                 mask=m_t[:, None] & m_v[None, :])
         # the states leaving the chunk
-        b_kw = (b_k * b_ws[:, None]).to(q.dtype.element_ty).to(b_k.dtype)
+        b_kw = operand(b_k * b_ws[:, None], q.dtype.element_ty, UPCAST)
         b_S = b_p * b_S + tl.dot(tl.trans(b_kw), b_k, input_precision=DOT_PREC)
-        b_ktw = (b_kt * b_ws[:, None]).to(q.dtype.element_ty).to(b_v.dtype)
+        b_ktw = operand(b_kt * b_ws[:, None], q.dtype.element_ty, UPCAST)
         b_H = b_p * b_H + tl.dot(tl.trans(b_ktw), b_v, input_precision=DOT_PREC)
     tl.store(H_T + (i_bh * K + o_k[:, None]) * V + o_v[None, :], b_H, mask=m_kv)
     if i_v == 0:
@@ -145,7 +147,7 @@ def hla2_state_kernel(
         if UPCAST:
             b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
         b_A += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
-        b_qS += tl.dot(b_q, b_S.to(q.dtype.element_ty).to(b_q.dtype), input_precision=DOT_PREC)
+        b_qS += tl.dot(b_q, operand(b_S, q.dtype.element_ty, UPCAST), input_precision=DOT_PREC)
     p_x = ((i_b * T + o_t[:, None]) * H + i_h) * K + o_x[None, :]  # [BT, BK]
     b_qx = tl.load(q + p_x, mask=m_t[:, None] & m_x[None, :], other=0.0)
     b_kx = tl.load(k + p_x, mask=m_t[:, None] & m_x[None, :], other=0.0)
@@ -153,10 +155,10 @@ def hla2_state_kernel(
     b_v = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
     if UPCAST:
         b_qx, b_kx, b_v = b_qx.to(tl.float32), b_kx.to(tl.float32), b_v.to(tl.float32)
-    b_AD = (b_A * b_D).to(q.dtype.element_ty).to(b_kx.dtype)
+    b_AD = operand(b_A * b_D, q.dtype.element_ty, UPCAST)
     b_kt = tl.dot(b_AD, b_kx, input_precision=DOT_PREC) + b_wc[:, None] * b_qS
     b_kt += ridge * b_qx.to(tl.float32)  # k~[:, x], [BT, BK] fp32
-    b_ktw = (b_kt * b_ws[:, None]).to(q.dtype.element_ty).to(b_v.dtype)
+    b_ktw = operand(b_kt * b_ws[:, None], q.dtype.element_ty, UPCAST)
     b_s = tl.dot(tl.trans(b_ktw), b_v, input_precision=DOT_PREC)  # [BK, BV]
     p_s = hs + ((i_bh * N + i_n) * K + o_x[:, None]) * V + o_v[None, :]
     tl.store(p_s, b_s, mask=m_x[:, None] & m_v[None, :])
@@ -208,7 +210,7 @@ def hla2_fwd_o_kernel(
         if UPCAST:
             b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
         b_A += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
-    b_AD = (b_A * b_D).to(q.dtype.element_ty)  # [BT, BT] dot operand
+    b_AD = operand(b_A * b_D, q.dtype.element_ty, UPCAST)  # [BT, BT] dot operand
 
     b_Bm = tl.zeros([BT, BT], dtype=tl.float32)  # q k~^T
     b_o = tl.zeros([BT, BV], dtype=tl.float32)  # q H_in
@@ -231,19 +233,19 @@ def hla2_fwd_o_kernel(
                 b_q = b_q.to(tl.float32)
             p_S = Ss + ((i_bh * N + i_n) * K + o_k[:, None]) * K + o_x[None, :]
             b_S = tl.load(p_S, mask=m_k[:, None] & m_x[None, :], other=0.0)
-            b_S = b_S.to(q.dtype.element_ty).to(b_q.dtype)
+            b_S = operand(b_S, q.dtype.element_ty, UPCAST)
             b_qS += tl.dot(b_q, b_S, input_precision=DOT_PREC)
-        b_kt = tl.dot(b_AD.to(b_kx.dtype), b_kx, input_precision=DOT_PREC)
+        b_kt = tl.dot(b_AD, b_kx, input_precision=DOT_PREC)
         b_kt += b_wc[:, None] * b_qS + ridge * b_qx.to(tl.float32)
-        b_ktd = b_kt.to(q.dtype.element_ty).to(b_qx.dtype)
+        b_ktd = operand(b_kt, q.dtype.element_ty, UPCAST)
         b_Bm += tl.dot(b_qx, tl.trans(b_ktd), input_precision=DOT_PREC)
         p_h = hs + ((i_bh * N + i_n) * K + o_x[:, None]) * V + o_v[None, :]  # [BK, BV]
         b_h = tl.load(p_h, mask=m_x[:, None] & m_v[None, :], other=0.0)
-        b_o += tl.dot(b_qx, b_h.to(q.dtype.element_ty).to(b_qx.dtype), input_precision=DOT_PREC)
+        b_o += tl.dot(b_qx, operand(b_h, q.dtype.element_ty, UPCAST), input_precision=DOT_PREC)
     p_v = ((i_b * T + o_t[:, None]) * H + i_h) * V + o_v[None, :]
     b_v = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
     if UPCAST:
         b_v = b_v.to(tl.float32)
-    b_BD = (b_Bm * b_D).to(q.dtype.element_ty).to(b_v.dtype)
+    b_BD = operand(b_Bm * b_D, q.dtype.element_ty, UPCAST)
     b_o = b_o * b_wc[:, None] + tl.dot(b_BD, b_v, input_precision=DOT_PREC)
-    tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+    tl.store(o + p_v, round_to(b_o, o.dtype.element_ty, UPCAST), mask=m_t[:, None] & m_v[None, :])
