@@ -66,7 +66,7 @@ def _upcast(dtype: torch.dtype) -> bool:
     Triton's CPU interpreter holds bf16 as raw 16-bit integers: conversions are right,
     arithmetic and dots on them are not. The kernels then widen every bf16 load to
     fp32 and round each dot operand through bf16 and back, so the interpreter runs the
-    same roundings as a GPU (truncating instead of rounding to nearest).
+    same roundings as a GPU (to nearest even: ``kernels/_round.py``).
     """
     return dtype == torch.bfloat16 and interpreting()
 
@@ -94,6 +94,10 @@ class Tiling:
     # K tile of the kernels with the most live tiles (dq/dk, hla2's output): each holds
     # several [BT, BT] and [BT, BK] fp32 tiles at once, and spilled 12-304 B at 32
     narrow: int = 16
+    # software-pipelining depth of the loops over K/V blocks; fewer stages hold fewer
+    # loads in flight, which is what the last few spilled bytes were
+    num_stages: int = 3
+    narrow_stages: int = 3  # dq/dk's
 
 
 def tiling(dtype: torch.dtype) -> Tiling:
@@ -106,10 +110,18 @@ def tiling(dtype: torch.dtype) -> Tiling:
     fall to 32 registers with 2-60 KB of spills. 32-wide tiles and 8 warps halve each
     thread's share of the [BT, BT] and [BT, BK] tiles; IEEE fp32 also needs 32-token
     chunks (dq/dk still spilled 0.2 KB at 64).
+
+    The full matrix (every chunk size, K = V = 32 too) left 4-44 B on sm_80 with 3
+    stages: IEEE fp32 at 32-token chunks (output, dv, hla2 state; 1 stage cleans
+    sm_80 but leaves 4-12 B on sm_90a, 16-token chunks are clean on both), TF32 at
+    64-token chunks (32 is clean) and bf16/fp16 dq/dk at K = 32 (2 stages is clean).
+    IEEE fp32 dots are FMA code, so 16-token chunks cost them no tensor-core shape.
     """
-    if dtype == torch.float32 and _dot_precision(dtype) == "ieee":
+    if dtype == torch.float32:
+        if _dot_precision(dtype) == "ieee":
+            return Tiling(chunk=16, block=32, num_warps=4)
         return Tiling(chunk=32, block=32, num_warps=8)
-    return Tiling(chunk=MAX_CHUNK, block=32, num_warps=8)
+    return Tiling(chunk=MAX_CHUNK, block=32, num_warps=8, narrow_stages=2)
 
 
 def chunk_tile(chunk_size: int, dtype: torch.dtype | None = None) -> int:
@@ -176,6 +188,7 @@ def chunk_states(
         k, v, g, resets, hs, T, H, K, V, N,
         BT=BT, BX=BK, BY=BV, CARRY=False, HAS_G=g is not None, HAS_R=resets is not None,
         DOT_PREC=_dot_precision(k.dtype), UPCAST=_upcast(k.dtype), num_warps=tl_.num_warps,
+        num_stages=tl_.num_stages,
     )
     h_last = torch.empty(B, H, K, V, dtype=torch.float32, device=k.device) if store_last else None
     state_passing(hs, g, resets, h0, h_last, T, BT, reverse=False)
@@ -207,6 +220,7 @@ def chunk_fwd(
         q, k, v, hs, g, resets, o, T, H, K, V, N,
         BT=BT, BK=BK, BV=BV, HAS_G=g is not None, HAS_R=resets is not None,
         DOT_PREC=_dot_precision(q.dtype), UPCAST=_upcast(q.dtype), num_warps=tl_.num_warps,
+        num_stages=tl_.num_stages,
     )
     assert h_last is not None
     return o, h_last
@@ -248,7 +262,7 @@ def chunk_bwd(
     chunk_state_kernel[(N, NK * NV, B * H)](
         q, do, g, resets, dhs, T, H, K, V, N,
         BT=BT, BX=BK, BY=BV, CARRY=True, HAS_G=HAS_G, HAS_R=HAS_R,
-        DOT_PREC=prec, UPCAST=_upcast(q.dtype), num_warps=nw,
+        DOT_PREC=prec, UPCAST=_upcast(q.dtype), num_warps=nw, num_stages=tl_.num_stages,
     )
     dh0 = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device) if h0 is not None else None
     state_passing(dhs, g, resets, dht, dh0, T, BT, reverse=True)
@@ -260,12 +274,12 @@ def chunk_bwd(
     chunk_bwd_dv_kernel[(N, NV, B * H)](
         q, k, do, dhs, g, resets, dv, T, H, K, V, N,
         BT=BT, BK=BK, BV=BV, HAS_G=HAS_G, HAS_R=HAS_R, DOT_PREC=prec, UPCAST=_upcast(q.dtype),
-        num_warps=nw,
+        num_warps=nw, num_stages=tl_.num_stages,
     )
     chunk_bwd_dqk_kernel[(N, NKn, B * H)](
         q, k, v, do, hs, dhs, g, resets, dq, dk, dA, T, H, K, V, N,
         BT=BT, BK=BKn, BV=BV, HAS_G=HAS_G, HAS_R=HAS_R, DOT_PREC=prec, UPCAST=_upcast(q.dtype),
-        num_warps=nw,
+        num_warps=nw, num_stages=tl_.narrow_stages,
     )
     dg = None
     if HAS_G:

@@ -85,13 +85,14 @@ def fused_hla2_fwd(
         hs = torch.empty(B, H, N, K, V, dtype=torch.float32, device=q.device)
         hla2_state_kernel[(N, NK * NV, B * H)](
             q, k, v, Ss, g, resets, hs, float(ridge), T, H, K, V, N,
-            BT=BT, BK=BK, BV=BV, **flags, num_warps=tl_.num_warps,
+            BT=BT, BK=BK, BV=BV, **flags, num_warps=tl_.num_warps, num_stages=tl_.num_stages,
         )
         H_T = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device)
         state_passing(hs, g, resets, H0, H_T, T, BT, reverse=False)
         hla2_fwd_o_kernel[(N, NV, B * H)](
             q, k, v, Ss, hs, g, resets, o, float(ridge), T, H, K, V, N,
             BT=BT, BK=_block(K, tl_.narrow), BV=BV, **flags, num_warps=tl_.num_warps,
+            num_stages=tl_.num_stages,
         )
         assert S_T is not None
         return o, S_T, H_T

@@ -26,22 +26,27 @@ def kernels(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 
 
 def test_tiling_per_dtype_and_precision(monkeypatch: pytest.MonkeyPatch) -> None:
-    """32-wide K/V tiles and 8 warps everywhere; IEEE fp32 (FMA dots) also 32-token
-    chunks, TF32 and 16-bit inputs (tensor cores) 64. The chunk cap follows."""
+    """32-wide K/V tiles everywhere. IEEE fp32 (FMA dots): 16-token chunks and 4 warps;
+    TF32: 32-token chunks, 8 warps; 16-bit inputs (tensor cores): 64-token chunks, 8
+    warps, 2 pipeline stages in dq/dk. The chunk cap follows (the gate chose these)."""
     from hla_sp.kernels.chunk import chunk_tile, tiling
 
     before = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("highest")
-        assert (tiling(torch.float32).block, tiling(torch.float32).num_warps) == (32, 8)
-        assert chunk_tile(64, torch.float32) == 32 and chunk_tile(16, torch.float32) == 16
+        t = tiling(torch.float32)
+        assert (t.block, t.num_warps, t.num_stages) == (32, 4, 3)
+        assert chunk_tile(64, torch.float32) == 16 and chunk_tile(16, torch.float32) == 16
         torch.set_float32_matmul_precision("high")  # TF32
-        assert (tiling(torch.float32).block, tiling(torch.float32).num_warps) == (32, 8)
-        assert chunk_tile(64, torch.float32) == 64
+        t = tiling(torch.float32)
+        assert (t.block, t.num_warps, t.num_stages) == (32, 8, 3)
+        assert chunk_tile(64, torch.float32) == 32 and chunk_tile(16, torch.float32) == 16
     finally:
         torch.set_float32_matmul_precision(before)
     for dt in (torch.bfloat16, torch.float16):
-        assert tiling(dt).block == 32 and chunk_tile(128, dt) == 64
+        t = tiling(dt)
+        assert (t.block, t.num_warps, t.narrow_stages) == (32, 8, 2)
+        assert chunk_tile(128, dt) == 64
 
 
 def test_fused_hla2_sequential_refuses_fp32_k128(kernels: ModuleType) -> None:
