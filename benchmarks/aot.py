@@ -138,6 +138,7 @@ def _call(case: Case) -> None:
 def capture(full: bool = True) -> tuple[list[dict[str, Any]], list[str]]:
     """Distinct launch configurations of :func:`cases` (each with the cases that
     launched it), and the names of every kernel defined."""
+    env = {n: os.environ.get(n) for n in ("TRITON_INTERPRET", "HLA_SP_BACKEND")}
     os.environ["TRITON_INTERPRET"] = "1"
     os.environ["HLA_SP_BACKEND"] = "triton"
     import torch
@@ -163,6 +164,11 @@ def capture(full: bool = True) -> tuple[list[dict[str, Any]], list[str]]:
                 entry["default"] = entry.get("default", False) or _default_path(case)
     finally:
         torch.set_float32_matmul_precision(before)
+        for n, val in env.items():  # the caller's (a test session's) settings
+            if val is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = val
     return list(configs.values()), sorted(_jit.KERNELS)
 
 
