@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 EXTRAS ?= dev,triton,megatron,ray
 
-.PHONY: setup setup-megatron test test-slow lint demo demo-ops demo-1m demo-recall bench bench-sp bench-recall bench-lm gpu-aot gpu-check clean
+.PHONY: setup setup-megatron test test-slow lint demo demo-ops demo-1m demo-recall bench bench-sp bench-recall bench-lm bench-precision gpu-aot gpu-check clean
 
 $(STAMP): pyproject.toml requirements-cpu.txt
 	python3 -m venv $(VENV)
@@ -102,6 +102,11 @@ bench-sp: $(STAMP)
 # gate registers, spills and shared memory (benchmarks/results/aot.json, docs/benchmarks.md).
 gpu-aot: $(STAMP)
 	$(PY) benchmarks/aot.py
+
+# The 16-bit fast path's error against fp64, beside the exact path and the naive form in bf16.
+bench-precision: $(STAMP)
+	$(PY) benchmarks/bench_precision.py --out benchmarks/results
+	$(PY) benchmarks/bench_precision.py --out benchmarks/results --backend triton --T 128 256
 
 # On a CUDA machine: kernels against the reference, timings against SDPA and fla.
 gpu-check:

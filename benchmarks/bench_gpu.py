@@ -14,8 +14,10 @@ tests/test_kernels*.py).
 Timing: forward + backward with ``triton.testing.do_bench`` (median ms) at B=1, H=16,
 K=V=128 and T = 8k, 32k, 128k, bf16 inputs, per-head decay, for
 - ``la``: hla_sp.linear_attention on the Triton kernels,
-- ``hla2``: hla_sp.hla2, the two-stage composition (it computes in fp32 between
-  stages, so its dots are fp32; TF32 is allowed for this run, reported in the JSON),
+- ``hla2``: hla_sp.hla2, the two-stage composition at its CUDA default for bf16, the
+  fast path (16-bit operands between the stages, fp32 accumulation),
+- ``hla2_exact``: the same with ``precision="exact"`` (fp32 between the stages, so its
+  dots are fp32; TF32 is allowed for this run, reported in the JSON),
 - ``hla2_fused`` / ``hla2_fused_seq``: hla_sp.ops.hla2_fused (opt-in), chunked
   and sequential modes,
 - ``sdpa_flash``: causal scaled_dot_product_attention restricted to the flash backend,
@@ -225,6 +227,8 @@ def time_one(
         "la": (step(lambda: hla_sp.linear_attention(q, k, v, log_decay=a)[0]),
                flops_la(T, H, K, V)),
         "hla2": (step(lambda: hla_sp.hla2(q, k, v, log_decay=a)[0]), flops_hla2(T, H, K, V)),
+        "hla2_exact": (step(lambda: hla_sp.hla2(q, k, v, log_decay=a, precision="exact")[0]),
+                       flops_hla2(T, H, K, V)),
         "hla2_fused": (step(lambda: hla2_fused(q, k, v, log_decay=a)[0]), flops_hla2(T, H, K, V)),
         "hla2_fused_seq": (
             step(lambda: hla2_fused(q, k, v, log_decay=a, mode="sequential")[0]),
@@ -250,7 +254,7 @@ def time_one(
     rows = []
     for name, (fn, fwd_flops) in methods.items():
         prec = torch.get_float32_matmul_precision()
-        if name == "hla2":
+        if name == "hla2_exact":
             torch.set_float32_matmul_precision("high")  # TF32 for its fp32 stages
         try:
             ms, err = bench(fn), None

@@ -18,17 +18,19 @@ from typing import Any, Literal, get_args
 Operator = Literal["hla2", "ahla", "hla3", "linear"]
 Decay = Literal["none", "fixed", "learned", "data"]
 SPMethod = Literal["allgather", "ring", "tree"]
+Precision = Literal["auto", "exact", "fast"]
 
 OPERATORS: tuple[str, ...] = get_args(Operator)
 DECAYS: tuple[str, ...] = get_args(Decay)
 SP_METHODS: tuple[str, ...] = get_args(SPMethod)
+PRECISIONS: tuple[str, ...] = get_args(Precision)
 # The operators Megatron's core-attention slot takes ("linear" is the layer's baseline).
 HLA_OPERATORS: tuple[str, ...] = ("hla2", "ahla", "hla3")
 
 # The layer's keyword arguments (HLAHeads / HLAttention), in their order.
 _HEADS_FIELDS = (
     "operator", "decay", "qk_norm", "output_norm", "first_order", "short_conv", "normalize",
-    "eps", "ridge", "scale", "chunk_size",
+    "eps", "ridge", "scale", "chunk_size", "precision",
 )
 
 
@@ -75,13 +77,20 @@ class HLAConfig:
     chunk_size: int = field(default=64, metadata=_flag(
         "Chunk length of the chunk-parallel path (a power of two)."))
     """Chunk length of the chunk-parallel path, a power of two."""
+    precision: Precision = field(default="auto", metadata=_flag(
+        "What the HLA stages exchange: exact (fp32), fast (16-bit operands, fp32 "
+        "accumulation, k~/u rounded once per stage), auto (fast for 16-bit on CUDA)."))
+    """"exact": the stages of hla2/ahla/hla3 run in fp32 (16-bit inputs rounded once);
+    "fast": 16-bit inputs keep 16-bit operands with fp32 accumulation, the
+    intermediates rounded once per stage; "auto": fast for 16-bit inputs on CUDA,
+    exact elsewhere."""
     sp_method: SPMethod = field(default="allgather", metadata=_flag(
         "Exchange of the segment summaries across the context-parallel group."))
     """Exchange of the segment summaries across a sequence-parallel group."""
 
     def __post_init__(self) -> None:
         for name, choices in (("operator", OPERATORS), ("decay", DECAYS),
-                              ("sp_method", SP_METHODS)):
+                              ("sp_method", SP_METHODS), ("precision", PRECISIONS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}: expected one of {choices}, got {getattr(self, name)!r}")
         for name in ("qk_norm", "output_norm", "first_order", "normalize"):
@@ -113,7 +122,8 @@ class HLAConfig:
 
     def heads_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``hla_sp.nn.HLAHeads`` / ``HLAttention``:
-        operator, decay, qk_norm, output_norm, normalize, eps, ridge, scale, chunk_size."""
+        operator, decay, qk_norm, output_norm, first_order, short_conv, normalize, eps,
+        ridge, scale, chunk_size, precision."""
         return {name: getattr(self, name) for name in _HEADS_FIELDS}
 
     def replace(self, **changes: Any) -> HLAConfig:
@@ -178,6 +188,7 @@ def _nonneg_float(text: str) -> float:
 
 _CHOICES: dict[str, tuple[str, ...]] = {
     "operator": OPERATORS, "decay": DECAYS, "sp_method": SP_METHODS,
+    "precision": PRECISIONS,
 }
 def _taps(text: str) -> int:
     try:

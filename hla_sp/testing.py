@@ -86,6 +86,29 @@ def assert_within_rounding(
     return r
 
 
+def assert_within_reference_error(
+    name: str, got: torch.Tensor, low: torch.Tensor, exact: torch.Tensor, factor: float = 2.0
+) -> float:
+    """Flash-attention's rule for a low-precision path: max |got - exact| <= factor *
+    max |low - exact|, where ``low`` is a reference computed at the same precision (the
+    naive form in bf16) and ``exact`` the fp64 one. Returns the ratio of the two errors.
+
+    The floor (one rounding of the largest |exact|) only matters when the reference
+    happens to be exact, which a bf16 computation of any size is not.
+    """
+    got, low, exact = (x.detach().double() for x in (got, low, exact))
+    if not got.shape == low.shape == exact.shape:
+        raise AssertionError(f"{name}: shapes {tuple(got.shape)}, {tuple(low.shape)}, "
+                             f"{tuple(exact.shape)}")
+    err = (got - exact).abs().max().item()
+    ref_err = (low - exact).abs().max().item()
+    floor = unit_roundoff(torch.bfloat16) * exact.abs().max().item()
+    ok = bool(torch.isfinite(got).all()) and err <= factor * ref_err + floor
+    assert ok, (f"{name}: error {err:.3e} against fp64 exceeds {factor} x the error "
+                f"{ref_err:.3e} of the reference at the same precision")
+    return err / max(ref_err, floor)
+
+
 def decay_grad_magnitude(
     loss_terms: torch.Tensor, shape: tuple[int, ...], T: int, stages: int = 1
 ) -> torch.Tensor:

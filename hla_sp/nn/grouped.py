@@ -17,9 +17,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from hla_sp.config import OPERATORS
+from hla_sp.config import OPERATORS, PRECISIONS
 from hla_sp.ops import validate
-from hla_sp.ops.chunk import compute_dtype
 from hla_sp.ops.compositions import (
     DEFAULT_EPS,
     STATE_TYPES,
@@ -30,6 +29,7 @@ from hla_sp.ops.compositions import (
     state_fields,
 )
 from hla_sp.ops.linear_attention import DEFAULT_CHUNK_SIZE, linear_attention, primitive
+from hla_sp.ops.precision import resolve, stage_dtype
 from hla_sp.ops.sharding import SequenceParallelism
 
 
@@ -145,8 +145,8 @@ def _public(operator: str, q, k, v, kw: dict) -> tuple[torch.Tensor, tuple | Non
     if operator == "linear":
         if kw["initial_state"] is not None:
             kw["initial_state"] = _unpack_linear(kw["initial_state"])
-        for name in ("normalize", "eps", "ridge"):
-            kw.pop(name)
+        for name in ("normalize", "eps", "ridge", "precision"):
+            kw.pop(name)  # one stage: its output is rounded once either way
         o, h = linear_attention(q, k, v, **kw)
         return o, (LinearState(h) if h is not None else None)
     if operator != "hla2":
@@ -183,6 +183,7 @@ def grouped_operator(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     key_mix: torch.Tensor | None = None,
     value_mix: torch.Tensor | None = None,
+    precision: str = "auto",
 ) -> tuple[torch.Tensor, tuple | None]:
     """An HLA operator with grouped keys and values (GQA/MQA), exact.
 
@@ -201,6 +202,7 @@ def grouped_operator(
         exactly the public operator (it is called).
     """
     operator = validate.check_choice("operator", operator, OPERATORS)
+    validate.check_choice("precision", precision, PRECISIONS)
     Hq, Hkv = _check_grouped(q, k, v)
     mixed = key_mix is not None or value_mix is not None
     if mixed and operator == "linear":
@@ -209,7 +211,8 @@ def grouped_operator(
         return _public(operator, q, k, v, dict(
             log_decay=log_decay, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, cu_seqlens=cu_seqlens, sp=sp,
-            chunk_size=chunk_size, normalize=normalize, eps=eps, ridge=ridge))
+            chunk_size=chunk_size, normalize=normalize, eps=eps, ridge=ridge,
+            precision=precision))
     G = Hq // Hkv
     # Validate as the public operators do, on the kv-head view (decay is per group).
     x = validate.check_inputs(
@@ -219,17 +222,18 @@ def grouped_operator(
     normalize = validate.check_bool("normalize", normalize)
     ridge = validate.check_nonneg("ridge", ridge)
     eps = validate.check_nonneg("eps", eps)
+    precision = resolve(precision, q.dtype, q.device)
     fields = state_shapes(operator, x.n_seq, Hq, Hkv, x.K, x.V, normalize)
     s0 = validate.check_state_tuple(initial_state, fields, q)
     plan = None
     if sp is not None:
         plan = sp.check_call(x, op=f"{operator}/gqa{G}", options=dict(
             normalize=normalize, ridge=ridge, eps=eps, key_mix=key_mix, value_mix=value_mix,
-            output_final_state=output_final_state, initial_state=s0))
+            output_final_state=output_final_state, initial_state=s0, precision=precision))
     stages = _Stages(G, x.g, cu_seqlens=x.cu_seqlens, want_final=output_final_state,
                      chunk_size=x.chunk_size, sp=sp, plan=plan)
-    cdt = compute_dtype(q.dtype)
-    qs, kk, vv = (q * x.scale).to(cdt), k.to(cdt), v.to(cdt)
+    cdt = stage_dtype(precision, q.dtype)
+    qs, kk, vv = q.to(cdt) * x.scale, k.to(cdt), v.to(cdt)
     if operator == "linear":
         o, h = stages.shared(qs, kk, vv, s0[0])
         final: list = [h]

@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hla_sp.config import DECAYS, OPERATORS, HLAConfig
+from hla_sp.config import DECAYS, OPERATORS, PRECISIONS, HLAConfig
 from hla_sp.nn.conv import ShortConv
 from hla_sp.nn.grouped import ALL_STATE_TYPES, grouped_operator, state_shapes
 from hla_sp.ops import validate
-from hla_sp.ops.chunk import compute_dtype
+from hla_sp.ops.precision import compute_dtype, resolve, stage_dtype
 from hla_sp.ops.sharding import SequenceParallelism
 
 DEFAULTS = HLAConfig()
@@ -82,6 +82,8 @@ class HLAHeads(nn.Module):
         normalize, eps, ridge: hla2's options (docs of :func:`hla_sp.hla2`).
         scale: query scale; None means K ** -0.5.
         chunk_size: chunk length of the chunk-parallel path.
+        precision: "auto" | "exact" | "fast": what the operator's stages exchange for
+            16-bit inputs (:mod:`hla_sp.ops.precision`; auto is fast on CUDA).
         head_offset: global index of the first kv head (tensor parallelism), so the
             fixed schedule does not restart on every rank.
         total_kv_heads: kv heads over all ranks (the schedule's length); default Hkv.
@@ -104,6 +106,7 @@ class HLAHeads(nn.Module):
         ridge: float = DEFAULTS.ridge,
         scale: float | None = DEFAULTS.scale,
         chunk_size: int = DEFAULTS.chunk_size,
+        precision: str = DEFAULTS.precision,
         norm_eps: float = 1e-5,
         head_offset: int = 0,
         total_kv_heads: int | None = None,
@@ -125,6 +128,7 @@ class HLAHeads(nn.Module):
             qk_norm=qk_norm, output_norm=output_norm, first_order=first_order,
             short_conv=short_conv, normalize=normalize, eps=eps, ridge=ridge, scale=scale,
             chunk_size=chunk_size,
+            precision=validate.check_choice("precision", precision, PRECISIONS),  # type: ignore[arg-type]
         )
         c = self.config
         self.operator, self.decay, self.qk_norm = c.operator, c.decay, c.qk_norm
@@ -132,6 +136,7 @@ class HLAHeads(nn.Module):
         self.normalize, self.short_conv = c.normalize, c.short_conv
         self.eps, self.ridge, self.chunk_size = float(c.eps), float(c.ridge), c.chunk_size
         self.scale = None if c.scale is None else float(c.scale)
+        self.precision = c.precision
         self.norm_eps = validate.check_nonneg("norm_eps", norm_eps)
         self.head_offset = head_offset
         self.total_kv_heads = self.num_kv_heads if total_kv_heads is None else total_kv_heads
@@ -272,14 +277,18 @@ class HLAHeads(nn.Module):
             # L2 per head: |q.k| <= 1, so no power of t in S, H can come from key size.
             q = F.normalize(q, dim=-1)
             k = F.normalize(k, dim=-1)
-        mixes = [None if p is None else p.to(cdt) for p in (self.key_mix, self.value_mix)]
+        # The fast path hands the operator 16-bit q, k, v (rounded once, here).
+        sdt = stage_dtype(resolve(self.precision, in_dtype, q.device), in_dtype)
+        q, k, v = q.to(sdt), k.to(sdt), v.to(sdt)
+        mixes = [None if p is None else p.to(sdt) for p in (self.key_mix, self.value_mix)]
         o, state = grouped_operator(
             self.operator, q, k, v, log_decay=log_decay, normalize=self.normalize,
             eps=self.eps, ridge=self.ridge, scale=self.scale, initial_state=op_state,
             output_final_state=output_final_state, cu_seqlens=cu_seqlens, sp=sp,
             chunk_size=self.chunk_size if chunk_size is None else chunk_size,
-            key_mix=mixes[0], value_mix=mixes[1],
+            key_mix=mixes[0], value_mix=mixes[1], precision=self.precision,
         )
+        o = o.to(cdt)
         if self.output_norm:
             # Per-head RMSNorm: HLA outputs grow with context (a power of t without
             # decay) and with the head's window; the norm removes the scale, the gain

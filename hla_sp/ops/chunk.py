@@ -37,12 +37,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hla_sp.ops.precision import compute_dtype
+
 Tensor = torch.Tensor
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp64 stays fp64; every other dtype accumulates in fp32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def document_resets(bounds: Sequence[int], T: int, device: torch.device) -> torch.Tensor:

@@ -5,9 +5,10 @@
     hla3 = LA(q, LA(q, k, k), LA(q, k, v))       state (S, C, H)
 
 Every stage is one call of :func:`hla_sp.ops.linear_attention.primitive`, so kernels,
-gradients and sequence parallelism come from the primitive alone. Intermediates
-(k~ = S q, u = C^T q) stay in the compute dtype (fp32, or fp64) between stages so
-that bf16 inputs are rounded once, at the output.
+gradients and sequence parallelism come from the primitive alone. What passes between
+the stages is chosen by ``precision`` (:mod:`hla_sp.ops.precision`): the compute dtype
+(fp32, or fp64), so that 16-bit inputs are rounded once at the output ("exact"), or
+the 16-bit dtype itself, rounded once per stage ("fast", the default on CUDA).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from typing import NamedTuple
 import torch
 
 from hla_sp.ops import validate
-from hla_sp.ops.chunk import compute_dtype
 from hla_sp.ops.linear_attention import DEFAULT_CHUNK_SIZE, primitive
+from hla_sp.ops.precision import resolve, stage_dtype
 from hla_sp.ops.sharding import SequenceParallelism
 
 DEFAULT_EPS = 1e-6
@@ -69,7 +70,9 @@ def with_denominator(
 def split_denominator(
     o: torch.Tensor, Hf: torch.Tensor | None, V: int, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Undo :func:`with_denominator`: o [.., V + 1] -> o / (den + eps); Hf -> (H, eta)."""
+    """Undo :func:`with_denominator`: o [.., V + 1] -> o / (den + eps); Hf -> (H, eta).
+    A 16-bit o (the fast path) is divided in fp32: eps and a small den are not rounded."""
+    o = o.float() if o.dtype in (torch.bfloat16, torch.float16) else o
     o = o[..., :V] / (o[..., V:] + eps)
     if Hf is None:
         return o, None, None
@@ -193,6 +196,7 @@ def _run(
     normalize: bool = False,
     ridge: float = 0.0,
     eps: float = DEFAULT_EPS,
+    precision: str = "auto",
 ) -> tuple[torch.Tensor, tuple | None]:
     """Validate, then run :func:`compose` with the primitive as every stage."""
     x = validate.check_inputs(
@@ -202,6 +206,7 @@ def _run(
     normalize = validate.check_bool("normalize", normalize)
     ridge = validate.check_nonneg("ridge", ridge)
     eps = validate.check_nonneg("eps", eps)
+    precision = resolve(precision, x.q.dtype, x.q.device)
     fields = state_fields(operator, x.n_seq, x.H, x.H, x.K, x.V, normalize)
     state0 = _unpack_state(initial_state, fields, x.q)
     plan = None
@@ -209,8 +214,8 @@ def _run(
         # output_final_state decides whether the final states are all-reduced: agree on it.
         plan = sp.check_call(x, op=operator, options=dict(
             normalize=normalize, ridge=ridge, eps=eps, output_final_state=output_final_state,
-            initial_state=state0))
-    cdt = compute_dtype(x.q.dtype)
+            initial_state=state0, precision=precision))
+    cdt = stage_dtype(precision, x.q.dtype)
 
     def stage(qs: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, h0: torch.Tensor | None):
         # every stage of the call carries its one plan (one ordering of its collectives)
@@ -220,7 +225,7 @@ def _run(
         )
 
     o, final = compose(
-        operator, (x.q * x.scale).to(cdt), x.k.to(cdt), x.v.to(cdt), state0,
+        operator, x.q.to(cdt) * x.scale, x.k.to(cdt), x.v.to(cdt), state0,
         shared=stage, per_head=stage, normalize=normalize, ridge=ridge, eps=eps,
     )
     state = STATE_TYPES[operator](*final) if output_final_state else None
@@ -242,6 +247,7 @@ def hla2(
     cu_seqlens: torch.Tensor | None = None,
     sp: SequenceParallelism | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    precision: str = "auto",
 ) -> tuple[torch.Tensor, HLA2State | None]:
     """Masked second-order HLA: o_t = sum_{i<=j<=t} exp(A_t - A_i)(q_t.k_i)(k_i.q_j) v_j.
 
@@ -252,6 +258,8 @@ def hla2(
         ridge: lambda of the paper's S + lambda I.
         initial_state: :class:`HLA2State` (eta required iff ``normalize``); S must be
             symmetric, as every S the operators return (a non-symmetric one is refused).
+        precision: "auto" | "exact" | "fast": what the stages exchange for 16-bit
+            inputs (:mod:`hla_sp.ops.precision`); auto is fast on CUDA, exact elsewhere.
         Other keywords as in :func:`hla_sp.linear_attention`.
 
     Returns:
@@ -260,7 +268,7 @@ def hla2(
     return _run(
         "hla2", q, k, v, log_decay=log_decay, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, sp=sp,
-        chunk_size=chunk_size, normalize=normalize, ridge=ridge, eps=eps,
+        chunk_size=chunk_size, normalize=normalize, ridge=ridge, eps=eps, precision=precision,
     )
 
 
@@ -276,15 +284,17 @@ def ahla(
     cu_seqlens: torch.Tensor | None = None,
     sp: SequenceParallelism | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    precision: str = "auto",
 ) -> tuple[torch.Tensor, AHLAState | None]:
     """Asymmetric HLA (AAV): o = ((W W) ⊙ L) V with W = L ⊙ QK^T, decay included.
 
-    Keywords as in :func:`hla_sp.linear_attention`; the state is :class:`AHLAState`.
+    Keywords as in :func:`hla_sp.linear_attention` and ``precision`` as in
+    :func:`hla2`; the state is :class:`AHLAState`.
     """
     return _run(
         "ahla", q, k, v, log_decay=log_decay, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, sp=sp,
-        chunk_size=chunk_size,
+        chunk_size=chunk_size, precision=precision,
     )
 
 
@@ -300,13 +310,15 @@ def hla3(
     cu_seqlens: torch.Tensor | None = None,
     sp: SequenceParallelism | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    precision: str = "auto",
 ) -> tuple[torch.Tensor, HLA3State | None]:
     """Masked third-order HLA: o = (((W W^T) ⊙ L) W ⊙ L) V, middle index kept <= t.
 
-    Keywords as in :func:`hla_sp.linear_attention`; the state is :class:`HLA3State`.
+    Keywords as in :func:`hla_sp.linear_attention` and ``precision`` as in
+    :func:`hla2`; the state is :class:`HLA3State`.
     """
     return _run(
         "hla3", q, k, v, log_decay=log_decay, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, sp=sp,
-        chunk_size=chunk_size,
+        chunk_size=chunk_size, precision=precision,
     )

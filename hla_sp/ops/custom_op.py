@@ -30,8 +30,9 @@ from typing import Any
 
 import torch
 
-from hla_sp.ops.chunk import chunk_backward, chunk_forward, compute_dtype
+from hla_sp.ops.chunk import chunk_backward, chunk_forward
 from hla_sp.ops.dispatch import backend_for, triton_chunk_backward, triton_chunk_forward
+from hla_sp.ops.precision import compute_dtype
 
 Tensor = torch.Tensor
 

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hla_sp.ops.chunk import carry_term, compute_dtype, segment_summary
+from hla_sp.ops.chunk import carry_term, segment_summary
 from hla_sp.ops.linear_attention import local_primitive
+from hla_sp.ops.precision import compute_dtype
 from hla_sp.parallel import exchange
 from hla_sp.parallel import summaries as S
 from hla_sp.parallel.layouts import Piece
