@@ -17,13 +17,17 @@ that true whatever each rank's graph looks like:
 - a *token*: every collective of a call takes the previous collective's token and
   returns a new one, and the call's output is tied to the last token, so in backward
   every rank reaches every collective, in the reverse of the forward order;
-- the first collective of a primitive stage also takes q, k, v, g as inputs (with
-  no gradient), so a later call's collectives always run before an earlier call's,
-  even on a rank whose shard is empty.
+- the first node of a primitive stage's exchange (:class:`_Begin`) also takes q, k, v,
+  g as inputs (with no gradient), so a later call's collectives always run before an
+  earlier call's, even on a rank whose shard is empty.
 
-The exchange starts before the expensive local outputs are computed: the all-gather
-as an asynchronous collective, ring and tree (:mod:`hla_sp.parallel.p2p`) on a helper
-thread. Bytes sent by this rank are counted per category (:mod:`hla_sp.parallel.comm`).
+The exchange starts before the expensive local outputs are computed (:func:`begin`),
+the all-gather as an asynchronous collective, ring and tree (:mod:`hla_sp.parallel.p2p`)
+on a helper thread, and is finished after them (:func:`scan`). The backward mirrors
+this: the scan's backward starts the reverse exchange (an asynchronous reduce-scatter,
+or ring/tree on a helper thread) and the begin's backward waits for it, so the
+backward of the local outputs runs while the summaries' gradients travel. Bytes sent
+by this rank are counted per category (:mod:`hla_sp.parallel.comm`).
 """
 
 from __future__ import annotations
@@ -76,22 +80,56 @@ def _global_order(plan: Plan, gathered: torch.Tensor) -> torch.Tensor:
     return torch.stack([gathered[p.owner, p.slot] for p in plan.pieces])
 
 
-class _Scan(torch.autograd.Function):
-    """(token, X [n, D], q, k, v, g) -> (token, carries [n, D]); collective both ways."""
+class Exchange:
+    """One exchange's two halves: the forward exchange in flight (from :func:`begin`
+    to :func:`scan`) and then, in backward, the reverse exchange in flight (from the
+    scan's backward to the begin's backward)."""
+
+    def __init__(self, pending: Pending):
+        self.pending: Pending | None = pending
+        self.reverse: Pending | None = None
+
+
+class _Begin(torch.autograd.Function):
+    """(token, X, q, k, v, g) -> (token, X): where the exchange starts. Its backward
+    waits for the reverse exchange that the scan's backward started, so the backward
+    of everything computed between the two (the expensive local outputs) runs while
+    the summaries' gradients travel. It also takes q, k, v, g (no gradient), so a
+    later call's collectives always run before an earlier call's, even on a rank whose
+    shard is empty."""
 
     @staticmethod
-    def forward(ctx, token, X, q, k, v, g, pending, plan, shape, method):
-        ctx.plan, ctx.shape, ctx.method = plan.for_backward(), shape, method
+    def forward(ctx, token, X, q, k, v, g, ex):
+        ctx.ex = ex
+        return token.new_zeros(()), X.detach().clone()
+
+    @staticmethod
+    def backward(ctx, d_token, d_X):
+        if ctx.ex.reverse is None:  # the scan's backward always runs first (token chain)
+            raise RuntimeError("exchange: the reverse exchange was never started")
+        dX = ctx.ex.reverse.wait()
+        ctx.ex.reverse = None  # not kept alive by the graph
+        return torch.zeros((), dtype=torch.float32), dX, *([None] * 5)
+
+
+class _Scan(torch.autograd.Function):
+    """(token, X [n, D]) -> (token, carries [n, D]); collective both ways. Its backward
+    starts the reverse exchange and returns at once (see :class:`_Begin`)."""
+
+    @staticmethod
+    def forward(ctx, token, X, ex, plan, shape, method):
+        ctx.plan, ctx.shape, ctx.method, ctx.ex = plan.for_backward(), shape, method, ex
         if method == "allgather":
-            gathered = pending.wait()
+            gathered = ex.pending.wait()
             carries = S.exclusive_prefixes(
                 shape, _global_order(plan, gathered), [p.m for p in plan.own]
             )
             ctx.save_for_backward(X, gathered)
         else:
-            carries, saved = pending.wait()
+            carries, saved = ex.pending.wait()
             ctx.saved_scan = saved
             ctx.save_for_backward(X, carries)
+        ex.pending = None
         return token.new_zeros(()), carries.detach().clone()
 
     @staticmethod
@@ -102,19 +140,21 @@ class _Scan(torch.autograd.Function):
             d_carries = torch.zeros(len(plan.own), shape.size, dtype=X.dtype, device=X.device)
         d_carries = d_carries.to(X.dtype)
         if ctx.method == "allgather":
-            dX = _allgather_backward(plan, shape, X, aux, d_carries)
+            ctx.ex.reverse = _allgather_backward(plan, shape, X, aux, d_carries)
         elif ctx.method == "ring":
-            dX = ring_backward(plan, shape, X, aux, d_carries)
+            ctx.ex.reverse = on_thread(lambda: ring_backward(plan, shape, X, aux, d_carries))
         else:
-            dX = tree_backward(plan, shape, X, ctx.saved_scan, d_carries)
-        # token, X, then no gradient for q, k, v, g (ordering only) nor the rest.
-        return (torch.zeros((), dtype=torch.float32), dX, *([None] * 8))
+            saved = ctx.saved_scan
+            ctx.ex.reverse = on_thread(lambda: tree_backward(plan, shape, X, saved, d_carries))
+        # The token's gradient is defined, so the begin's backward runs; X's comes there.
+        return torch.zeros((), dtype=torch.float32), None, *([None] * 4)
 
 
 def _allgather_backward(
     plan: Plan, shape: S.SummaryShape, X: torch.Tensor, gathered: torch.Tensor, d: torch.Tensor
-) -> torch.Tensor:
-    """d(carries) -> d(gathered) by the local fold's VJP -> reduce-scatter to owners."""
+) -> Pending:
+    """d(carries) -> d(gathered) by the local fold's VJP -> reduce-scatter to owners
+    (asynchronous: the begin's backward waits for it)."""
     with torch.enable_grad():
         G = gathered.detach().requires_grad_(True)
         carries = S.exclusive_prefixes(shape, _global_order(plan, G), [p.m for p in plan.own])
@@ -125,24 +165,34 @@ def _allgather_backward(
         dG = torch.zeros_like(gathered)
     P = plan.world_size
     if P == 1:
-        return dG[0]
+        return Pending(lambda: dG[0])
     out = X.new_empty(X.numel())
-    reduce_scatter_single(out, dG.reshape(-1).contiguous(), group=plan.group)
+    work = reduce_scatter_single(out, dG.reshape(-1).contiguous(), group=plan.group,
+                                 async_op=True)
     count("summary_grad", (P - 1) * size_bytes(out))
-    return out.view_as(X)
+
+    def wait() -> torch.Tensor:
+        work.wait()
+        return out.view_as(X)
+
+    return Pending(wait)
 
 
-def scan(
-    plan: Plan,
-    shape: S.SummaryShape,
-    method: str,
-    X: torch.Tensor,
-    pending: Pending,
-    deps: tuple[torch.Tensor | None, ...],
-) -> torch.Tensor:
-    """Finish the exchange started by :func:`start`; return the carries [n, D]."""
+def begin(
+    plan: Plan, shape: S.SummaryShape, X: torch.Tensor, deps: tuple[torch.Tensor | None, ...]
+) -> tuple[Exchange, torch.Tensor]:
+    """Start exchanging this rank's summaries X [n_own, D] (step 2 of the primitive);
+    returns the exchange and X as the scan must take it (through the begin node)."""
+    ex = Exchange(start(plan.method, plan, shape, X.detach()))
     chain = _chain(plan)
-    chain.token, carries = _Scan.apply(chain.token, X, *deps, pending, plan, shape, method)
+    chain.token, Xb = _Begin.apply(chain.token, X, *deps, ex)
+    return ex, Xb
+
+
+def scan(plan: Plan, shape: S.SummaryShape, ex: Exchange, X: torch.Tensor) -> torch.Tensor:
+    """Finish the exchange started by :func:`begin`; return the carries [n, D]."""
+    chain = _chain(plan)
+    chain.token, carries = _Scan.apply(chain.token, X, ex, plan, shape, plan.method)
     return carries
 
 

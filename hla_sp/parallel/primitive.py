@@ -4,7 +4,8 @@ For each of this rank's pieces (one for contiguous, two for zigzag):
 
 1. its summary (h, a, s) from a zero state: only the part after its last document
    start, with that document's initial state injected (cheap: one weighted K^T V);
-2. the exchange of summaries starts (asynchronous);
+2. the exchange of summaries starts (asynchronous; in backward, the reverse exchange
+   runs while the backward of step 3 does);
 3. meanwhile the zero-state outputs, by the single-process primitive with local
    resets at the global document starts inside the piece (the expensive part);
 4. the carry into the piece (the fold of the earlier pieces' summaries) adds its
@@ -13,7 +14,7 @@ For each of this rank's pieces (one for contiguous, two for zigzag):
    all-reduce shares them.
 
 With ``overlap=False`` (a :class:`~hla_sp.parallel.SequenceParallel` option for
-benchmarks) step 2 waits before step 3. The chunk algebra itself is
+benchmarks) step 2 waits before step 3, in forward and in backward. The chunk algebra itself is
 :mod:`hla_sp.ops.chunk` and :func:`hla_sp.ops.linear_attention.local_primitive`, never
 re-implemented here.
 """
@@ -128,13 +129,13 @@ def sp_primitive(
         [_segments(p, starts, ends) for p in plan.own], h0_of,
     )
     Xs, last_state = _summaries(call, q.device)  # 1.
-    pending = exchange.start(plan.method, plan, call.shape, Xs.detach())  # 2.
+    ex, Xs = exchange.begin(plan, call.shape, Xs, (q, k, v, g))  # 2.
     carries = None
     if not plan.overlap:
-        carries = exchange.scan(plan, call.shape, plan.method, Xs, pending, (q, k, v, g))
+        carries = exchange.scan(plan, call.shape, ex, Xs)
     outs = _zero_state_outputs(call, h0 is not None, chunk_size)  # 3.
     if carries is None:
-        carries = exchange.scan(plan, call.shape, plan.method, Xs, pending, (q, k, v, g))
+        carries = exchange.scan(plan, call.shape, ex, Xs)
     carry_h = S.unpack(call.shape, carries)[0]  # [n, B, H, K, V]
     o = _add_carries(call, outs, carry_h)  # 4.
     final = _final_states(call, last_state, carry_h, q.device) if want_final else None  # 5.
