@@ -39,12 +39,24 @@ _diagnosing = False
 _progress: tuple[int, float] = (0, time.monotonic())
 
 
+class StoppedByLauncher(RuntimeError):
+    """SIGTERM from the launcher while training: under torchrun, a peer has exited."""
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
     # torchrun's agent sends SIGTERM to the survivors as soon as one worker dies. While a
     # survivor is working out which peer failed, finish that (the agent waits up to 30 s
-    # before SIGKILL) so the diagnosis reaches the log; otherwise stop at once.
-    if not _diagnosing:
-        raise SystemExit(128 + signum)
+    # before SIGKILL) so the diagnosis reaches the log. The SIGTERM can also come first,
+    # before this rank's own collective has failed (a race with the peer's socket
+    # closing): then it is raised as an error of the peers' kind, which the training
+    # loop reports with the same diagnosis before leaving.
+    if _diagnosing:
+        return
+    if dist.is_available() and dist.is_initialized():
+        raise StoppedByLauncher(
+            f"signal {signum} from the launcher (torchrun stops every rank once one worker "
+            "has exited)")
+    raise SystemExit(128 + signum)
 
 
 def install_sigterm_handler() -> None:
@@ -214,7 +226,7 @@ def _describe(e: BaseException) -> str:
 def _is_collective_error(chain: list[BaseException]) -> bool:
     """Did the error come out of a collective (a peer's fault is then possible)?"""
     for e in chain:
-        if isinstance(e, dist.DistError):
+        if isinstance(e, (dist.DistError, StoppedByLauncher)):
             return True
         tb = traceback.extract_tb(e.__traceback__)
         if any(f"torch{os.sep}distributed{os.sep}" in fr.filename for fr in tb):

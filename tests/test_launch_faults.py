@@ -42,3 +42,26 @@ def test_hung_rank_ends_the_others_after_the_group_timeout(tmp_path: Path) -> No
     assert "Timed out" in run.output or "timeout" in run.output.lower()
     assert "rank(s) 1 (finished iteration 2, now at faults.py" in run.output, run.output[-3000:]
     assert "stuck outside the collective" in run.output
+
+
+def test_sigterm_before_the_collective_fails_is_reported_as_a_peers(tmp_path: Path) -> None:
+    """torchrun's SIGTERM can beat this rank's own collective error (a race with the dead
+    peer's socket closing): it is then raised as an error of the peers' kind, so the
+    loop prints the same 'training stopped by' line and diagnosis. Outside a process
+    group it is a plain exit."""
+    import signal
+
+    import pytest
+    import torch.distributed as dist
+    from hla_sp.launch import faults
+
+    with pytest.raises(SystemExit):
+        faults._on_sigterm(signal.SIGTERM, None)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0,
+                            world_size=1)
+    try:
+        with pytest.raises(faults.StoppedByLauncher, match="from the launcher") as info:
+            faults._on_sigterm(signal.SIGTERM, None)
+        assert faults._is_collective_error([info.value])
+    finally:
+        dist.destroy_process_group()

@@ -52,7 +52,7 @@ def test_flags_parse_beside_attention_backend():
     assert (a.attention, a.attention_backend, a.attention_dropout) == ("hla2", "flash", 0.0)
     assert hla_spec_kwargs(a) == dict(operator="hla2", decay="data", first_order=True,
                                       short_conv=4, normalize=True, ridge=0.5,
-                                      chunk_size=128, sp_method="ring")
+                                      chunk_size=128, precision="auto", sp_method="ring")
     a = p.parse_args(["--attention", "hla3", "--no-hla-first-order"])
     assert hla_spec_kwargs(a)["first_order"] is False
     a = p.parse_args(["--attention-backend", "local", "--attention", "ahla"])
