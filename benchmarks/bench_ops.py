@@ -14,6 +14,16 @@ and their median reported. Quadratic SDPA and the serial recurrence stop at
 ``--sdpa-max-t`` / ``--recurrent-max-t``; points past that are recorded as
 ``"not run"``, never extrapolated.
 
+Allocator: glibc hands every freed block over its (adaptive, at most 32 MiB) mmap
+threshold back to the OS, so at 64k (64 MiB tensors) every call page-faults its
+outputs afresh while at 16k (16 MiB) it reuses heap pages: that alone made the
+16k -> 64k growth 5.3x instead of 4.2x for the primitive's forward (measured with
+``MALLOC_MMAP_MAX_=0``, which keeps freed memory in the heap). The timing process
+therefore re-runs itself with freed memory kept (``--allocator keep``, the default:
+``MALLOC_MMAP_MAX_=0``, ``MALLOC_TRIM_THRESHOLD_`` = 1 TiB), so that every T is timed
+in the same regime; ``--allocator default`` times glibc's defaults. The memory
+subprocesses always run with glibc's defaults.
+
 Memory: see :func:`measure_memory`. Targets are reported, never asserted; the FLOP
 counts, fits, ratios, targets and the plot are in ``bench_ops_analysis.py``.
 """
@@ -193,6 +203,8 @@ def measure_memory(op: str, T: int) -> dict[str, int] | str:
     """
     cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", op, str(T)]
     env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
+    for name in KEEP_FREED:  # glibc's defaults: freed memory leaves the RSS
+        env.pop(name, None)
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     if r.returncode != 0:
         return f"failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}"
@@ -256,12 +268,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "benchmarks/results holds the committed figures)")
     p.add_argument("--reanalyse", type=Path, default=None,
                    help="recompute the analysis and plot of an existing ops.json, no timing")
+    p.add_argument("--allocator", choices=["keep", "default"], default="keep",
+                   help="time with freed memory kept in the heap (keep) or glibc's defaults")
     p.add_argument("--memory-child", nargs=2, metavar=("OP", "T"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
+# glibc settings of --allocator keep: no mmap-ed blocks, no trimming of the heap's top.
+KEEP_FREED = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    keep = all(os.environ.get(k) == v for k, v in KEEP_FREED.items())
+    if args.allocator == "keep" and not keep and not args.memory_child and not args.reanalyse:
+        # glibc reads these at start-up only: run again with them set
+        argv = sys.argv[1:] if argv is None else argv
+        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *argv],
+                  {**os.environ, **KEEP_FREED})
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.memory_child:
@@ -288,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         "config": {"B": B, "H": H, "K": K, "V": V, "dtype": "float32", "chunk_size": CHUNK,
                    "pass": "forward+backward", "reps": reps, "reps_large": args.reps_large,
                    "sdpa_max_t": max_t["sdpa"], "recurrent_max_t": max_t["recurrent_hla2"],
-                   "quick": args.quick, "statistic": "median"},
+                   "quick": args.quick, "statistic": "median",
+                   "allocator": (f"keep: {KEEP_FREED}" if keep else "glibc defaults")},
         "machine": {"torch": torch.__version__, "threads": torch.get_num_threads(),
                     "cpu_count": os.cpu_count(), "platform": platform.platform(),
                     "processor": platform.processor(), "python": platform.python_version()},
