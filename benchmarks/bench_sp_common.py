@@ -119,6 +119,8 @@ def timing_task(rank: int, P: int, T_local: int, H: int, K: int, V: int,
         configs[f"{method}/fwd"] = no_grad(lambda sp=sp: _layer(q, k, v, g, sp))
         waits = SequenceParallel(method=method, overlap=False)  # exchange, then local work
         configs[f"{method}/fwd_no_overlap"] = no_grad(lambda sp=waits: _layer(q, k, v, g, sp))
+        # backward too: without overlap the reverse exchange is waited for at once
+        configs[f"{method}/fwd_bwd_no_overlap"] = lambda sp=waits: _fwd_bwd(q, k, v, g, sp, w)
         configs[f"{method}/exchange_alone"] = no_grad(lambda sp=sp: _exchange_only(sp, q, k, v))
     times: dict[str, list[float]] = {name: [] for name in configs}
     for fn in configs.values():  # warm-up
