@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
+import pytest
+import torch.distributed as dist
+from hla_sp.launch import faults
 from hla_sp.launch.local import run_local
 
 TINY = [
@@ -44,24 +48,27 @@ def test_hung_rank_ends_the_others_after_the_group_timeout(tmp_path: Path) -> No
     assert "stuck outside the collective" in run.output
 
 
-def test_sigterm_before_the_collective_fails_is_reported_as_a_peers(tmp_path: Path) -> None:
+def test_sigterm_before_the_collective_fails_is_reported_as_a_peers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """torchrun's SIGTERM can beat this rank's own collective error (a race with the dead
     peer's socket closing): it is then raised as an error of the peers' kind, so the
     loop prints the same 'training stopped by' line and diagnosis. Outside a process
-    group it is a plain exit."""
-    import signal
-
-    import pytest
-    import torch.distributed as dist
-    from hla_sp.launch import faults
-
-    with pytest.raises(SystemExit):
-        faults._on_sigterm(signal.SIGTERM, None)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0,
-                            world_size=1)
+    group it is a plain exit; during a diagnosis it waits for it."""
+    monkeypatch.setattr(faults, "_diagnosing", False)  # other tests may have reported
+    with monkeypatch.context() as m:
+        m.setattr(faults.dist, "is_initialized", lambda: False)
+        with pytest.raises(SystemExit):
+            faults._on_sigterm(signal.SIGTERM, None)
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0,
+                                world_size=1)
     try:
         with pytest.raises(faults.StoppedByLauncher, match="from the launcher") as info:
             faults._on_sigterm(signal.SIGTERM, None)
         assert faults._is_collective_error([info.value])
+        monkeypatch.setattr(faults, "_diagnosing", True)
+        assert faults._on_sigterm(signal.SIGTERM, None) is None
     finally:
-        dist.destroy_process_group()
+        if own_group:
+            dist.destroy_process_group()
