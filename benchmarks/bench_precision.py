@@ -21,6 +21,7 @@ Writes JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -30,6 +31,7 @@ import torch
 
 import hla_sp
 from hla_sp.ops import reference as R
+from hla_sp.ops.dispatch import use_backend
 
 OPS = {"hla2": (hla_sp.hla2, R.naive_hla2), "ahla": (hla_sp.ahla, R.naive_ahla),
        "hla3": (hla_sp.hla3, R.naive_hla3)}
@@ -46,23 +48,14 @@ def run_path(op: str, path: str, q, k, v, g, do) -> list[torch.Tensor]:
         gl = g.to(torch.float64 if path == "fp64" else (dt if path == "naive_bf16" else
                                                         torch.float32)).clone()
         leaves.append(gl.requires_grad_())
-    if path == "naive_bf16":
-        o = naive(*leaves[:3], log_decay=gl)
-    else:
-        backend = os.environ.get("HLA_SP_BACKEND")
-        if path == "fp64":
-            os.environ["HLA_SP_BACKEND"] = "torch"  # the kernels take no fp64
-        try:
+    # the fp64 reference on the torch path: the kernels take no fp64
+    with use_backend("torch") if path == "fp64" else contextlib.nullcontext():
+        if path == "naive_bf16":
+            o = naive(*leaves[:3], log_decay=gl)
+        else:
             o, _ = fn(*leaves[:3], log_decay=gl, chunk_size=64,
                       precision="exact" if path in ("exact", "fp64") else "fast")
-            (o * do.to(o.dtype)).sum().backward()
-        finally:
-            if backend is None:
-                os.environ.pop("HLA_SP_BACKEND", None)
-            else:
-                os.environ["HLA_SP_BACKEND"] = backend
-        return [o, *(x.grad for x in leaves)]
-    (o * do.to(o.dtype)).sum().backward()
+        (o * do.to(o.dtype)).sum().backward()
     return [o, *(x.grad for x in leaves)]
 
 

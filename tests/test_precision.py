@@ -14,8 +14,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -25,6 +23,7 @@ from hla_sp.config import HLAConfig
 from hla_sp.nn import HLAHeads
 from hla_sp.ops import precision as P
 from hla_sp.ops import reference as R
+from hla_sp.ops.dispatch import use_backend
 from hla_sp.testing import assert_within_reference_error
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -127,19 +126,9 @@ def test_fast_path_error_within_twice_the_naive_form_at_that_precision(
     _check_error_rule(op, decay, dtype)
 
 
-@contextlib.contextmanager
-def _fp64_on_torch(dtype: torch.dtype) -> Iterator[None]:
+def _fp64_on_torch(dtype: torch.dtype) -> contextlib.AbstractContextManager:
     """The fp64 reference runs on the torch path (the kernels take no fp64)."""
-    before = os.environ.get("HLA_SP_BACKEND")
-    if dtype == torch.float64:
-        os.environ["HLA_SP_BACKEND"] = "torch"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("HLA_SP_BACKEND", None)
-        else:
-            os.environ["HLA_SP_BACKEND"] = before
+    return use_backend("torch") if dtype == torch.float64 else contextlib.nullcontext()
 
 
 def _check_error_rule(op: str, decay: bool, dtype: torch.dtype, T: int = 80) -> dict:

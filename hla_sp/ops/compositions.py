@@ -20,7 +20,7 @@ import torch
 
 from hla_sp.ops import validate
 from hla_sp.ops.linear_attention import DEFAULT_CHUNK_SIZE, primitive
-from hla_sp.ops.precision import resolve, stage_dtype
+from hla_sp.ops.precision import LOW_PRECISION, resolve, stage_dtype
 from hla_sp.ops.sharding import SequenceParallelism
 
 DEFAULT_EPS = 1e-6
@@ -72,7 +72,7 @@ def split_denominator(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Undo :func:`with_denominator`: o [.., V + 1] -> o / (den + eps); Hf -> (H, eta).
     A 16-bit o (the fast path) is divided in fp32: eps and a small den are not rounded."""
-    o = o.float() if o.dtype in (torch.bfloat16, torch.float16) else o
+    o = o.float() if o.dtype in LOW_PRECISION else o
     o = o[..., :V] / (o[..., V:] + eps)
     if Hf is None:
         return o, None, None

@@ -13,6 +13,8 @@ only through the ``triton_*`` functions below; the autograd glue around them is
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -26,6 +28,22 @@ def backend() -> str:
     if name not in BACKENDS:
         raise ValueError(f"HLA_SP_BACKEND: expected one of {BACKENDS}, got {name!r}")
     return name
+
+
+@contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """``HLA_SP_BACKEND=name`` for the duration of a block (the caller's value after)."""
+    if name not in BACKENDS:
+        raise ValueError(f"name: expected one of {BACKENDS}, got {name!r}")
+    before = os.environ.get("HLA_SP_BACKEND")
+    os.environ["HLA_SP_BACKEND"] = name
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("HLA_SP_BACKEND", None)
+        else:
+            os.environ["HLA_SP_BACKEND"] = before
 
 
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -206,20 +206,21 @@ class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, token, x, plan):
         ctx.plan = plan.for_backward()
-        out = x.detach().clone()
-        if plan.world_size > 1:
-            dist.all_reduce(out, group=plan.group)
-            count("final", 2 * (plan.world_size - 1) * size_bytes(out) // plan.world_size)
-        return token.new_zeros(()), out
+        return token.new_zeros(()), summed(plan, x, "final")
 
     @staticmethod
     def backward(ctx, d_token, d_out):
-        plan = ctx.plan
-        g = d_out.detach().clone().contiguous()
-        if plan.world_size > 1:
-            dist.all_reduce(g, group=plan.group)
-            count("final_grad", 2 * (plan.world_size - 1) * size_bytes(g) // plan.world_size)
-        return torch.zeros((), dtype=torch.float32), g, None
+        return torch.zeros((), dtype=torch.float32), summed(ctx.plan, d_out, "final_grad"), None
+
+
+def summed(plan: Plan, x: torch.Tensor, category: str) -> torch.Tensor:
+    """A copy of ``x`` summed over the group (one all-reduce, its bytes counted under
+    ``category``); no ordering token: for use inside a token-ordered Function."""
+    out = x.detach().contiguous().clone()
+    if plan.world_size > 1:
+        dist.all_reduce(out, group=plan.group)
+        count(category, 2 * (plan.world_size - 1) * size_bytes(out) // plan.world_size)
+    return out
 
 
 def all_reduce(plan: Plan, x: torch.Tensor) -> torch.Tensor:

@@ -16,10 +16,9 @@ so every rank runs it in backward, whether or not its outputs read any halo.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from hla_sp.parallel.comm import all_gather_single, count, size_bytes
-from hla_sp.parallel.exchange import _chain
+from hla_sp.parallel.exchange import _chain, summed
 from hla_sp.parallel.plan import Plan
 
 
@@ -71,14 +70,10 @@ class _GatherTails(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_token, d_gathered):
-        plan = ctx.plan
-        g = d_gathered.detach().contiguous().clone()
-        if plan.world_size > 1:
-            # Every rank read some of every rank's tails: the gradient of my tails is
-            # the sum over ranks of what each read from them.
-            dist.all_reduce(g, group=plan.group)
-            count("halo_grad", 2 * (plan.world_size - 1) * size_bytes(g) // plan.world_size)
-        return torch.zeros((), dtype=torch.float32), g[plan.rank], None
+        # Every rank read some of every rank's tails: the gradient of my tails is the
+        # sum over ranks of what each read from them.
+        g = summed(ctx.plan, d_gathered, "halo_grad")
+        return torch.zeros((), dtype=torch.float32), g[ctx.plan.rank], None
 
 
 def gather_tails(plan: Plan, tails: torch.Tensor) -> torch.Tensor:
