@@ -85,7 +85,7 @@ class _Chunks:
     qc: Tensor
     kc: Tensor
     vc: Tensor
-    D: Tensor
+    D: Tensor | None  # None when prepared without the in-chunk terms
     wc: Tensor
     ws: Tensor
     p: Tensor
@@ -100,8 +100,11 @@ def _heads_first(x: Tensor, B: int, N: int, C: int, H: int) -> Tensor:
 
 
 def _prepare(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, resets: Tensor | None, C: int
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, resets: Tensor | None, C: int,
+    intra: bool = True,
 ) -> _Chunks:
+    """Cut a block into chunks; ``intra=False`` skips D (the [C, C] in-chunk decays,
+    the costly part), for passes that only touch the states."""
     B, T, H, _ = q.shape
     N = -(-T // C)
     pad = N * C - T
@@ -112,26 +115,29 @@ def _prepare(
         q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
     qc, kc, vc = (_heads_first(x, B, N, C, H) for x in (q, k, v))
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    D: Tensor | None = None
     if g is None:
-        D = causal.to(cdt).expand(B, H, N, C, C)
+        if intra:
+            D = causal.to(cdt).expand(B, H, N, C, C)
         wc = q.new_ones(B, H, N, C)
         ws = q.new_ones(B, H, N, C)
         p = q.new_ones(B, H, N)
     else:
         gg = F.pad(g.to(cdt), (0, 0, 0, pad)) if pad else g.to(cdt)
         gc = gg.reshape(B, N, C, H).permute(0, 3, 1, 2).contiguous()  # [B, H, N, C]
-        seg = segsum(gc)  # [B, H, N, C, C]
-        D = torch.exp(seg)
+        if intra:
+            D = torch.exp(segsum(gc))  # [B, H, N, C, C]
         wc = torch.exp(gc.cumsum(-1))  # a prefix sum from the chunk start: no cancellation
-        ws = D[..., -1, :]  # exp(sum_{i > j} g_i): the last row of the segment sums
+        # exp(sum_{i > j} g_i), a suffix sum from the chunk end: no cancellation either
+        ws = torch.exp(F.pad(gc[..., 1:].flip(-1).cumsum(-1).flip(-1), (0, 1)))
         p = wc[..., -1]
     if resets is not None:
         r = resets.to(torch.bool)
         if pad:
             r = F.pad(r, (0, pad))
         c = r.view(B, N, C).long().cumsum(-1)[:, None]  # starts seen so far in the chunk
-        keep = causal & (c[..., :, None] == c[..., None, :])
-        D = D * keep
+        if D is not None:
+            D = D * (causal & (c[..., :, None] == c[..., None, :]))
         ws = ws * (c == c[..., -1:])
         wc = wc * (c == 0)
         p = p * (c[..., -1] == 0)
@@ -212,6 +218,59 @@ def chunk_forward(
     return o, h.contiguous()
 
 
+def _reverse_states(ch: _Chunks, doc: Tensor, dh_next: Tensor | None) -> Tensor:
+    """dH_in [B, H, N, K, V], the gradient of the state entering each chunk, from the
+    outputs' cotangent doc [B, H, N, C, V] and dh_next [B, H, K, V] (the gradient of the
+    state leaving the block, or None for 0), in place: X_n = (Q ⊙ wc)_n^T dO_n, then
+    X_n += p_n X_{n+1}."""
+    dh_in = (ch.qc * ch.wc[..., None]).transpose(-1, -2) @ doc
+    if dh_next is not None:
+        dh_in[:, :, -1].addcmul_(ch.p[:, :, -1, None, None], dh_next)
+    for n in range(dh_in.shape[2] - 2, -1, -1):
+        dh_in[:, :, n].addcmul_(ch.p[:, :, n, None, None], dh_in[:, :, n + 1])
+    return dh_in
+
+
+def _local_grads(
+    ch: _Chunks, h_in: Tensor, doc: Tensor, want_dg: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """The part of one block's gradients that needs only the outputs' cotangent doc
+    [B, H, N, C, V] and the incoming states h_in [B, H, N, K, V]: dQ whole, the in-chunk
+    parts of dK, dV and of dg (on the segment sums and the carry weight)."""
+    dA = doc @ ch.vc.transpose(-1, -2)  # [B, H, N, C, C]
+    A = (ch.qc @ ch.kc.transpose(-1, -2)).mul_(ch.D)
+    dv = A.transpose(-1, -2) @ doc
+    dq_carry = doc @ h_in.transpose(-1, -2)  # [B, H, N, C, K]
+    dg = None
+    if want_dg:
+        dL = dA * A  # gradient of each in-chunk segment sum; 0 where masked
+        db = dL.sum(-1) - dL.sum(-2)  # on b_t as the later end, minus as the earlier
+        del dL
+        db += (ch.qc * ch.wc[..., None] * dq_carry).sum(-1)  # the carry weight exp(b_t)
+        dg = db.flip(-1).cumsum(-1).flip(-1)  # g_i enters b_t for every t >= i
+    del A
+    dQK = dA.mul_(ch.D)
+    dq = _addmm(dq_carry.mul_(ch.wc[..., None]), dQK, ch.kc)
+    dk = dQK.transpose(-1, -2) @ ch.qc
+    return dq, dk, dv, dg
+
+
+def _state_grads(
+    ch: _Chunks, h_in: Tensor, dh_out: Tensor, dk: Tensor, dv: Tensor, dg: Tensor | None
+) -> None:
+    """Add, in place, the part of one block's gradients that flows through the states
+    leaving its chunks, dh_out [B, H, N, K, V]: the summaries' dK, dV, and on dg the
+    summary weights exp(b_C - b_j) and the pass factors p <h_in, dh_out>."""
+    kw = ch.kc * ch.ws[..., None]
+    dk_state = ch.vc @ dh_out.transpose(-1, -2)  # [B, H, N, C, K]
+    _addmm(dv, kw, dh_out)
+    if dg is not None:
+        dlws = (kw * dk_state).sum(-1)
+        dg += dlws.cumsum(-1) - dlws  # g_i enters b_C - b_j for every j < i ...
+        dg += (ch.p * (h_in * dh_out).sum((-1, -2)))[..., None]  # ... and b_C
+    dk.addcmul_(dk_state, ch.ws[..., None])
+
+
 def _block_backward(
     ch: _Chunks, h_entry: Tensor, doc: Tensor, dh_next: Tensor, want_dg: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
@@ -226,35 +285,10 @@ def _block_backward(
     the gradient of the state entering the block.
     """
     h_in, _ = _incoming_states(ch, h_entry)
-    qw = ch.qc * ch.wc[..., None]
-    # dh_in of every chunk, in place: X_n = qw_n^T dO_n, then X_n += p_n X_{n+1}.
-    dh_in = qw.transpose(-1, -2) @ doc  # [B, H, N, K, V]
-    dh_in[:, :, -1].addcmul_(ch.p[:, :, -1, None, None], dh_next)
-    for n in range(dh_in.shape[2] - 2, -1, -1):
-        dh_in[:, :, n].addcmul_(ch.p[:, :, n, None, None], dh_in[:, :, n + 1])
+    dh_in = _reverse_states(ch, doc, dh_next)
     dh_out = torch.cat([dh_in[:, :, 1:], dh_next[:, :, None]], dim=2)  # each chunk's end
-
-    kw = ch.kc * ch.ws[..., None]
-    dA = doc @ ch.vc.transpose(-1, -2)  # [B, H, N, C, C]
-    A = (ch.qc @ ch.kc.transpose(-1, -2)).mul_(ch.D)
-    dv = _addmm(A.transpose(-1, -2) @ doc, kw, dh_out)
-    dq_carry = doc @ h_in.transpose(-1, -2)  # [B, H, N, C, K]
-    dk_state = ch.vc @ dh_out.transpose(-1, -2)  # [B, H, N, C, K]
-    dg = None
-    if want_dg:
-        dL = dA * A  # gradient of each in-chunk segment sum; 0 where masked
-        db = dL.sum(-1) - dL.sum(-2)  # on b_t as the later end, minus as the earlier
-        del dL
-        db += (qw * dq_carry).sum(-1)  # the carry weight exp(b_t)
-        dlws = (kw * dk_state).sum(-1)  # the summary weight exp(b_C - b_j)
-        dlp = ch.p * (h_in * dh_out).sum((-1, -2))  # the pass factor exp(b_C)
-        dg = db.flip(-1).cumsum(-1).flip(-1)  # g_i enters b_t for every t >= i
-        dg += dlws.cumsum(-1) - dlws  # ... and b_C - b_j for every j < i
-        dg += dlp[..., None]  # ... and b_C
-    del A
-    dQK = dA.mul_(ch.D)
-    dq = _addmm(dq_carry.mul_(ch.wc[..., None]), dQK, ch.kc)
-    dk = _addmm(dk_state.mul_(ch.ws[..., None]), dQK.transpose(-1, -2), ch.qc)
+    dq, dk, dv, dg = _local_grads(ch, h_in, doc, want_dg)
+    _state_grads(ch, h_in, dh_out, dk, dv, dg)
     return dq, dk, dv, dg, dh_in[:, :, 0]
 
 
