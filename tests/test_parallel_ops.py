@@ -81,3 +81,24 @@ def test_matches_single_process_8_ranks(world) -> None:
     errors = world(8).run(run_cases, cases, timeout=800)
     flat = [e for rank_errors in errors for e in rank_errors]
     assert not flat, "\n".join(flat[:20])
+
+
+def _run_composed(rank: int, P: int, cases: list[dict]) -> list[str]:
+    """run_cases with every piece run as zero-state outputs plus the carry's term, the
+    composition the Triton kernels use, instead of the torch path's split chunks."""
+    from hla_sp.parallel import primitive
+
+    real = primitive._use_split
+    primitive._use_split = lambda q: False
+    try:
+        return run_cases(rank, P, cases)
+    finally:
+        primitive._use_split = real
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("P", [2, 3])
+def test_composed_path_matches_single_process(world, P: int) -> None:
+    errors = world(P).run(_run_composed, matrix(P), timeout=360)
+    flat = [e for rank_errors in errors for e in rank_errors]
+    assert not flat, "\n".join(flat[:20])

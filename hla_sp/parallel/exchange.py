@@ -32,6 +32,8 @@ by this rank are counted per category (:mod:`hla_sp.parallel.comm`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -88,6 +90,9 @@ class Exchange:
     def __init__(self, pending: Pending):
         self.pending: Pending | None = pending
         self.reverse: Pending | None = None
+        # Local backward work to run while the reverse exchange travels: registered by
+        # the stage's outputs in their backward, run by the scan's backward.
+        self.during_reverse: list[Callable[[], None]] = []
 
 
 class _Begin(torch.autograd.Function):
@@ -139,15 +144,24 @@ class _Scan(torch.autograd.Function):
         if d_carries is None:
             d_carries = torch.zeros(len(plan.own), shape.size, dtype=X.dtype, device=X.device)
         d_carries = d_carries.to(X.dtype)
-        if ctx.method == "allgather":
-            ctx.ex.reverse = _allgather_backward(plan, shape, X, aux, d_carries)
-        elif ctx.method == "ring":
-            ctx.ex.reverse = on_thread(lambda: ring_backward(plan, shape, X, aux, d_carries))
-        else:
-            saved = ctx.saved_scan
-            ctx.ex.reverse = on_thread(lambda: tree_backward(plan, shape, X, saved, d_carries))
+        saved = getattr(ctx, "saved_scan", None)
+        ctx.ex.reverse = start_reverse(ctx.method, plan, shape, X, aux, saved, d_carries)
+        while ctx.ex.during_reverse:
+            ctx.ex.during_reverse.pop(0)()
         # The token's gradient is defined, so the begin's backward runs; X's comes there.
         return torch.zeros((), dtype=torch.float32), None, *([None] * 4)
+
+
+def start_reverse(
+    method: str, plan: Plan, shape: S.SummaryShape, X: torch.Tensor, aux: torch.Tensor,
+    saved: object, d_carries: torch.Tensor,
+) -> Pending:
+    """Start the reverse exchange: d(carries) [n, D] -> d(X) [n, D] when waited for."""
+    if method == "allgather":
+        return _allgather_backward(plan, shape, X, aux, d_carries)
+    if method == "ring":
+        return on_thread(lambda: ring_backward(plan, shape, X, aux, d_carries))
+    return on_thread(lambda: tree_backward(plan, shape, X, saved, d_carries))
 
 
 def _allgather_backward(

@@ -13,6 +13,14 @@ For each of this rank's pieces (one for contiguous, two for zigzag):
 5. each document's final state is computed where the document ends, and one
    all-reduce shares them.
 
+Where the chunk scan is the torch one, steps 1, 3 and 4 are one chunk path cut in
+three (:mod:`hla_sp.ops.chunk_split`): the summary is the zero-state scan the outputs
+need anyway, step 3 computes the in-chunk terms, and step 4 the state terms with the
+carry already in the states, so the sharded call does no arithmetic beyond the
+single-process call's. Its backward mirrors that: d(carry) from dO first (the reverse
+exchange starts), then the terms that need only dO, and after the reverse exchange the
+terms through the states. The Triton kernels run steps 3 and 4 as written above.
+
 With ``overlap=False`` (a :class:`~hla_sp.parallel.SequenceParallel` option for
 benchmarks) step 2 waits before step 3, in forward and in backward. The chunk algebra itself is
 :mod:`hla_sp.ops.chunk` and :func:`hla_sp.ops.linear_attention.local_primitive`, never
@@ -28,6 +36,8 @@ from dataclasses import dataclass
 import torch
 
 from hla_sp.ops.chunk import carry_term, segment_summary
+from hla_sp.ops.chunk_split import SplitChunks
+from hla_sp.ops.dispatch import backend_for
 from hla_sp.ops.linear_attention import local_primitive
 from hla_sp.ops.precision import compute_dtype
 from hla_sp.parallel import exchange
@@ -128,36 +138,144 @@ def sp_primitive(
         plan, S.SummaryShape(B, H, K, v.shape[-1]), cdt, views,
         [_segments(p, starts, ends) for p in plan.own], h0_of,
     )
-    Xs, last_state = _summaries(call, q.device)  # 1.
+    works = _split_works(call, chunk_size) if _use_split(q) else None
+    Xs, last_state = _summaries(call, q.device, works)  # 1.
     ex, Xs = exchange.begin(plan, call.shape, Xs, (q, k, v, g))  # 2.
     carries = None
     if not plan.overlap:
         carries = exchange.scan(plan, call.shape, ex, Xs)
-    outs = _zero_state_outputs(call, h0 is not None, chunk_size)  # 3.
+    if works is None:  # 3.
+        outs = _zero_state_outputs(call, h0 is not None, chunk_size)
+    else:
+        for work in works:
+            if work is not None:
+                work.intra()
     if carries is None:
         carries = exchange.scan(plan, call.shape, ex, Xs)
     carry_h = S.unpack(call.shape, carries)[0]  # [n, B, H, K, V]
-    o = _add_carries(call, outs, carry_h)  # 4.
+    if works is None:  # 4.
+        o = _add_carries(call, outs, carry_h)
+    else:
+        o = _split_outputs(call, works, carries, carry_h, ex, h0 is not None)
     final = _final_states(call, last_state, carry_h, q.device) if want_final else None  # 5.
     return exchange.tie(o.to(q.dtype), plan), final
 
 
+def _use_split(q: Tensor) -> bool:
+    """Where the chunk scan is the torch one, each piece runs it split around the
+    exchange (:mod:`hla_sp.ops.chunk_split`: no arithmetic beyond the single-process
+    call's); the Triton kernels run as zero-state outputs plus the carry's term."""
+    return backend_for(q) == "torch"
+
+
+def _split_works(call: _Call, chunk_size: int) -> list[SplitChunks | None]:
+    """Per own piece, its chunk path in steps (None for an empty piece), with resets
+    at the document starts inside it."""
+    works: list[SplitChunks | None] = []
+    for (qp, kp, vp, gp), sg in zip(call.views, call.segs):
+        if not sg:
+            works.append(None)
+            continue
+        resets = None
+        if len(sg) > 1:
+            resets = torch.zeros(qp.shape[0], qp.shape[1], dtype=torch.bool, device=qp.device)
+            resets[:, [x.begin for x in sg[1:]]] = True
+        detached = (x.detach() if x is not None else None for x in (qp, kp, vp, gp))
+        works.append(SplitChunks(*detached, resets, chunk_size))
+    return works
+
+
+class _SplitSummary(torch.autograd.Function):
+    """(q, k, v, g) of a piece -> the zero-state state after it, [B, H, K, V] (step 1).
+    Its backward, which runs after the reverse exchange, completes the piece's whole
+    local backward with the summary's gradient (:meth:`SplitChunks.finish`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, work):  # type: ignore[override]
+        ctx.work = work
+        return work.summary()
+
+    @staticmethod
+    def backward(ctx, dS):  # type: ignore[override]
+        dq, dk, dv, dg = ctx.work.finish(dS)
+        ctx.work = None
+        return dq, dk, dv, dg, None
+
+
+class _SplitOutputs(torch.autograd.Function):
+    """(q, k, v, g, h_init, carries) -> the piece's outputs with h_init carried in (step
+    4). Its backward returns d h_init at once, for the reverse exchange, and leaves the
+    terms that need only dO to run while that exchange travels (without overlap, at
+    once). ``carries`` is an input only so that this backward runs before the scan's."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, h_init, carries, work, ex, overlap):  # type: ignore[override]
+        ctx.work, ctx.ex, ctx.overlap = work, ex, overlap
+        ctx.has_init = h_init is not None
+        ctx.save_for_backward(h_init)
+        return work.outputs(h_init)
+
+    @staticmethod
+    def backward(ctx, do):  # type: ignore[override]
+        (h_init,) = ctx.saved_tensors
+        work = ctx.work
+        d_init = work.carry_grad(do)
+        if ctx.overlap:
+            ctx.ex.during_reverse.append(lambda: work.local(h_init))
+        else:
+            work.local(h_init)
+        ctx.work = ctx.ex = None
+        return None, None, None, None, d_init if ctx.has_init else None, None, None, None, None
+
+
+def _split_outputs(
+    call: _Call, works: list[SplitChunks | None], carries: Tensor, carry_h: Tensor,
+    ex: exchange.Exchange, has_h0: bool,
+) -> Tensor:
+    """Step 4 on the split path: each piece's outputs with its carry-in (the carry, or
+    its first document's h0), then the h0 of the documents starting inside it."""
+    B, H, V = call.shape.B, call.shape.H, call.shape.V
+    outs = []
+    for j, (work, (qp, kp, vp, gp), sg) in enumerate(zip(works, call.views, call.segs)):
+        if work is None:
+            outs.append(qp.new_zeros(B, 0, H, V))
+            continue
+        first = sg[0]
+        h_init = carry_h[j] if first.source == CARRY else call.h0_of(first.source)
+        o = _SplitOutputs.apply(qp, kp, vp, gp, h_init, carries, work, ex, call.plan.overlap)
+        if has_h0 and len(sg) > 1:
+            parts = [o[:, : sg[1].begin]]
+            for x in sg[1:]:
+                term = carry_term(qp[:, x.begin : x.end], _part(gp, x.begin, x.end),
+                                  call.h0_of(x.source))
+                parts.append(o[:, x.begin : x.end] + term)
+            o = torch.cat(parts, dim=1)
+        outs.append(o)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
 def _summaries(
-    call: _Call, device: torch.device
+    call: _Call, device: torch.device, works: list[SplitChunks | None] | None = None
 ) -> tuple[Tensor, list[tuple[Tensor, Tensor] | None]]:
     """Step 1: each piece's summary, its last segment's zero-state state with that
     document's h0 injected. Returns X [n_own, D] and each last segment's (h, a)."""
     shape, cdt = call.shape, call.cdt
     X, last_state = [], []
-    for (_, kp, vp, gp), sg in zip(call.views, call.segs):
+    for j, ((qp, kp, vp, gp), sg) in enumerate(zip(call.views, call.segs)):
         if not sg:
             X.append(S.identity(shape, cdt, device))
             last_state.append(None)
             continue
         last = sg[-1]
-        h, a = segment_summary(
-            kp[:, last.begin :], vp[:, last.begin :], _part(gp, last.begin, last.end)
-        )
+        if works is None:
+            h, a = segment_summary(
+                kp[:, last.begin :], vp[:, last.begin :], _part(gp, last.begin, last.end)
+            )
+        else:
+            # the split path's zero-state state after the piece is its last segment's
+            h = _SplitSummary.apply(qp, kp, vp, gp, works[j])
+            a = (gp[:, last.begin :].sum(1) if gp is not None
+                 else torch.zeros(shape.B, shape.H, dtype=cdt, device=device))
         last_state.append((h, a))
         start = last.source != CARRY
         h0d = call.h0_of(last.source) if start else None
