@@ -82,7 +82,7 @@ class _Chunks:
     p: [B, H, N] pass factor of each chunk, exp(b_C) (0 when the chunk holds a start).
     """
 
-    qc: Tensor
+    qc: Tensor  # any of qc, kc, vc is None when prepared without it
     kc: Tensor
     vc: Tensor
     D: Tensor | None  # None when prepared without the in-chunk terms
@@ -100,20 +100,29 @@ def _heads_first(x: Tensor, B: int, N: int, C: int, H: int) -> Tensor:
 
 
 def _prepare(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, resets: Tensor | None, C: int,
-    intra: bool = True,
+    q: Tensor | None, k: Tensor | None, v: Tensor | None, g: Tensor | None,
+    resets: Tensor | None, C: int, intra: bool = True,
 ) -> _Chunks:
     """Cut a block into chunks; ``intra=False`` skips D (the [C, C] in-chunk decays,
-    the costly part), for passes that only touch the states."""
-    B, T, H, _ = q.shape
+    the costly part), for passes that only touch the states, and a None among q, k, v
+    skips that tensor's heads-first copy (its field is then None)."""
+    ref = next(x for x in (q, k, v) if x is not None)
+    B, T, H, _ = ref.shape
     N = -(-T // C)
     pad = N * C - T
-    cdt = compute_dtype(q.dtype)
-    q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
-    if pad:
-        # Padding at the end with q = k = v = 0 and g = 0 leaves the state unchanged.
-        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
-    qc, kc, vc = (_heads_first(x, B, N, C, H) for x in (q, k, v))
+    cdt = compute_dtype(ref.dtype)
+
+    def cut(x: Tensor | None) -> Tensor | None:
+        if x is None:
+            return None
+        x = x.to(cdt)
+        if pad:
+            # Padding at the end with q = k = v = 0 and g = 0 leaves the state unchanged.
+            x = F.pad(x, (0, 0, 0, 0, 0, pad))
+        return _heads_first(x, B, N, C, H)
+
+    qc, kc, vc = cut(q), cut(k), cut(v)
+    q = ref.to(cdt)  # for the factories below
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     D: Tensor | None = None
     if g is None:

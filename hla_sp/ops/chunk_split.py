@@ -90,11 +90,17 @@ class SplitChunks:
         self.dh_in: Tensor | None = None  # [B, H, N, K, V] dH_in from dO alone
         self.grads: list[Tensor | None] | None = None  # dq, dk, dv, dg being built
 
-    def _chunks(self, t0: int, t1: int, intra: bool) -> _Chunks:
+    def _chunks(self, t0: int, t1: int, intra: bool, need: str = "qkv") -> _Chunks:
+        """The block [t0, t1) cut into chunks, with heads-first copies of ``need`` only."""
         g = None if self.g is None else self.g[:, t0:t1]
         r = None if self.resets is None else self.resets[:, t0:t1]
-        return _prepare(self.q[:, t0:t1], self.k[:, t0:t1], self.v[:, t0:t1], g, r,
-                        self.C, intra=intra)
+        q, k, v = (x[:, t0:t1] if name in need else None
+                   for name, x in zip("qkv", (self.q, self.k, self.v)))
+        return _prepare(q, k, v, g, r, self.C, intra=intra)
+
+    def _n(self, t0: int, ch: _Chunks) -> slice:
+        """The chunks of ``ch`` (the block starting at t0) among the piece's N."""
+        return slice(t0 // self.C, t0 // self.C + ch.p.shape[2])
 
     def _states(self) -> tuple[Tensor, Tensor, Tensor]:
         """The zero-state scan: h_in^0 [B, H, N, K, V], p [B, H, N] and the last state."""
@@ -102,8 +108,8 @@ class SplitChunks:
         p = self.q.new_empty(self.B, self.H, self.N)
         h = self.q.new_zeros(self.B, self.H, self.K, self.V)
         for t0, t1 in self.blocks:
-            ch = self._chunks(t0, t1, intra=False)
-            n = slice(t0 // self.C, t0 // self.C + ch.qc.shape[2])
+            ch = self._chunks(t0, t1, intra=False, need="kv")
+            n = self._n(t0, ch)
             h_in0[:, :, n], h = _incoming_states(ch, h)
             p[:, :, n] = ch.p
         return h_in0, p, h
@@ -137,8 +143,8 @@ class SplitChunks:
         h_in = self._with_init(self.h_in0, h_init)
         o = self.o
         for t0, t1 in self.blocks:
-            ch = self._chunks(t0, t1, intra=False)
-            n = slice(t0 // self.C, t0 // self.C + ch.qc.shape[2])
+            ch = self._chunks(t0, t1, intra=False, need="q")
+            n = self._n(t0, ch)
             inter = (ch.qc * ch.wc[..., None]) @ h_in[:, :, n]
             o[:, t0:t1] += _to_tokens(inter, t1 - t0)
         self.h_in0 = self.p = self.o = None
@@ -150,7 +156,7 @@ class SplitChunks:
         d = self.do[:, t0:t1].to(self.cdt)
         if ch.pad:
             d = F.pad(d, (0, 0, 0, 0, 0, ch.pad))
-        return _heads_first(d, self.B, ch.qc.shape[2], self.C, self.H)
+        return _heads_first(d, self.B, ch.p.shape[2], self.C, self.H)
 
     def carry_grad(self, do: Tensor) -> Tensor:
         """Backward step 1: d h_init [B, H, K, V] from the outputs' cotangent do."""
@@ -158,8 +164,8 @@ class SplitChunks:
         dh_in = self.q.new_empty(self.B, self.H, self.N, self.K, self.V)
         dh = None
         for t0, t1 in reversed(self.blocks):
-            ch = self._chunks(t0, t1, intra=False)
-            n = slice(t0 // self.C, t0 // self.C + ch.qc.shape[2])
+            ch = self._chunks(t0, t1, intra=False, need="q")
+            n = self._n(t0, ch)
             dh_in[:, :, n] = _reverse_states(ch, self._doc(t0, t1, ch), dh)
             dh = dh_in[:, :, n.start]
         self.dh_in = dh_in
@@ -168,17 +174,27 @@ class SplitChunks:
     def local(self, h_init: Tensor | None) -> None:
         """Backward step 2: the terms that need only dO (after :meth:`carry_grad`)."""
         B, L, H = self.B, self.L, self.H
-        self.h_in0, self.p, _ = self._states()
-        h_in = self._with_init(self.h_in0, h_init)
         want_dg = self.g is not None
         dq = self.q.new_empty(B, L, H, self.K)
         dk = self.q.new_empty(B, L, H, self.K)
         dv = self.q.new_empty(B, L, H, self.V)
         dg = self.q.new_empty(B, L, H) if want_dg else None
+        self.h_in0 = self.q.new_empty(B, H, self.N, self.K, self.V)
+        self.p = self.q.new_empty(B, H, self.N)
+        h = self.q.new_zeros(B, H, self.K, self.V)
+        cp = None
         for t0, t1 in self.blocks:
             ch = self._chunks(t0, t1, intra=True)
-            n = slice(t0 // self.C, t0 // self.C + ch.qc.shape[2])
-            bq, bk, bv, bg = _local_grads(ch, h_in[:, :, n], self._doc(t0, t1, ch), want_dg)
+            n = self._n(t0, ch)
+            # the zero-state scan, block by block (blocks in order), and h_init on top
+            self.h_in0[:, :, n], h = _incoming_states(ch, h)
+            self.p[:, :, n] = ch.p
+            h_in = self.h_in0[:, :, n]
+            if h_init is not None:
+                # cp of these chunks: the product of every earlier chunk's pass factor
+                cp = _exclusive_cumprod(self.p[:, :, : n.stop])[:, :, n]
+                h_in = h_in + cp[..., None, None] * h_init.to(self.cdt)[:, :, None]
+            bq, bk, bv, bg = _local_grads(ch, h_in, self._doc(t0, t1, ch), want_dg)
             dq[:, t0:t1] = _to_tokens(bq, t1 - t0)
             dk[:, t0:t1] = _to_tokens(bk, t1 - t0)
             dv[:, t0:t1] = _to_tokens(bv, t1 - t0)
@@ -218,9 +234,9 @@ class SplitChunks:
             cpr = _exclusive_cumprod(self.p, reverse=True)
             dh_out.add_(cpr[..., None, None] * dS.to(self.cdt)[:, :, None])
         for t0, t1 in self.blocks:
-            ch = self._chunks(t0, t1, intra=False)
-            n = slice(t0 // self.C, t0 // self.C + ch.qc.shape[2])
-            bk = torch.zeros_like(ch.qc)
+            ch = self._chunks(t0, t1, intra=False, need="kv")
+            n = self._n(t0, ch)
+            bk = torch.zeros_like(ch.kc)
             bv = torch.zeros_like(ch.vc)
             bg = None
             if dg is not None:
