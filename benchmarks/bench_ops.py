@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from allocator import KEEP_FREED, keeping_freed, rerun_keeping_freed
 from bench_ops_analysis import (
     CHUNK,
     NOT_RUN,
@@ -274,18 +275,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-# glibc settings of --allocator keep: no mmap-ed blocks, no trimming of the heap's top.
-KEEP_FREED = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    keep = all(os.environ.get(k) == v for k, v in KEEP_FREED.items())
-    if args.allocator == "keep" and not keep and not args.memory_child and not args.reanalyse:
-        # glibc reads these at start-up only: run again with them set
-        argv = sys.argv[1:] if argv is None else argv
-        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *argv],
-                  {**os.environ, **KEEP_FREED})
+    if args.allocator == "keep" and not args.memory_child and not args.reanalyse:
+        rerun_keeping_freed(__file__, sys.argv[1:] if argv is None else argv)
+    keep = keeping_freed()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.memory_child:

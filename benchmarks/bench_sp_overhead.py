@@ -16,6 +16,10 @@ rank sits waiting for the forward exchange with overlap and without:
 
     python benchmarks/bench_sp_overhead.py      # -> runs/bench/sp_overhead.{json,png}
     python benchmarks/bench_sp_overhead.py --out benchmarks/results   # the committed figures
+
+The ranks run with freed memory kept in the heap (``benchmarks/allocator.py``; the
+ranks inherit it), as ``bench_ops.py`` times: with glibc's defaults every call
+page-faults its largest tensors in again, which taxes whichever path allocates more.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from allocator import KEEP_FREED, rerun_keeping_freed
 from bench_sp_common import RESULTS, save, timing_task
 
 from hla_sp.testing import World
@@ -36,6 +41,7 @@ METHODS = ["allgather", "ring", "tree"]
 def main(T_local: int = 8192, H: int = 2, K: int = 32, V: int = 32, reps: int = 7) -> None:
     data: dict = {"config": {"op": "hla2", "T_local": T_local, "H": H, "K": K, "V": V,
                              "dtype": "float32", "reps": reps,
+                             "allocator": f"keep: {KEEP_FREED}",
                              "stat": "per rep the slowest rank; then min (and median) over reps"},
                   "P": {}}
     for P in (1, 2, 4):
@@ -105,4 +111,5 @@ def plot(data: dict) -> None:
 
 
 if __name__ == "__main__":
+    rerun_keeping_freed(__file__, sys.argv[1:])
     main()
