@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from hla_sp.ops.chunk import (
+    _addmm,
     _blocks,
     _Chunks,
     _heads_first,
@@ -82,12 +83,13 @@ class SplitChunks:
         self.cdt = compute_dtype(q.dtype)
         self.blocks = _blocks(L, chunk_size)
         self.N = -(-L // chunk_size)
-        # Kept from one step to the next, and dropped when no longer needed.
-        self.h_in0: Tensor | None = None  # [B, H, N, K, V] zero-state incoming states
-        self.p: Tensor | None = None  # [B, H, N] pass factors
-        self.o: Tensor | None = None  # [B, L, H, V] outputs being built
+        # Kept from one step to the next, per block, and dropped when no longer needed.
+        self.h_in0: list | None = None  # [B, H, Nb, K, V] zero-state incoming states
+        self.p: list | None = None  # [B, H, Nb] pass factors
+        self.o: list | None = None  # [B, H, Nb, C, V] outputs being built
         self.do: Tensor | None = None  # [B, L, H, V] the outputs' cotangent
-        self.dh_in: Tensor | None = None  # [B, H, N, K, V] dH_in from dO alone
+        self.dh_in: list | None = None  # [B, H, Nb, K, V] dH_in from dO alone
+        self.dlp_init: list | None = None  # [B, H, Nb] see local()
         self.grads: list[Tensor | None] | None = None  # dq, dk, dv, dg being built
 
     def _chunks(self, t0: int, t1: int, intra: bool, need: str = "qkv") -> _Chunks:
@@ -98,55 +100,50 @@ class SplitChunks:
                    for name, x in zip("qkv", (self.q, self.k, self.v)))
         return _prepare(q, k, v, g, r, self.C, intra=intra)
 
-    def _n(self, t0: int, ch: _Chunks) -> slice:
-        """The chunks of ``ch`` (the block starting at t0) among the piece's N."""
-        return slice(t0 // self.C, t0 // self.C + ch.p.shape[2])
-
-    def _states(self) -> tuple[Tensor, Tensor, Tensor]:
-        """The zero-state scan: h_in^0 [B, H, N, K, V], p [B, H, N] and the last state."""
-        h_in0 = self.q.new_empty(self.B, self.H, self.N, self.K, self.V)
-        p = self.q.new_empty(self.B, self.H, self.N)
+    def _states(self) -> Tensor:
+        """The zero-state scan: per block h_in^0 [B, H, Nb, K, V] and p [B, H, Nb] (kept);
+        returns the state after the piece."""
+        self.h_in0, self.p = [], []
         h = self.q.new_zeros(self.B, self.H, self.K, self.V)
         for t0, t1 in self.blocks:
             ch = self._chunks(t0, t1, intra=False, need="kv")
-            n = self._n(t0, ch)
-            h_in0[:, :, n], h = _incoming_states(ch, h)
-            p[:, :, n] = ch.p
-        return h_in0, p, h
+            h_in0, h = _incoming_states(ch, h)
+            self.h_in0.append(h_in0)
+            self.p.append(ch.p)
+        return h
 
-    def _with_init(self, h_in0: Tensor, h_init: Tensor | None) -> Tensor:
+    def _with_init(self, i: int, cp: list[Tensor], h_init: Tensor | None) -> Tensor:
+        """Block i's incoming states with h_init carried in: h_in^0 + cp h_init."""
         if h_init is None:
-            return h_in0
-        cp = _exclusive_cumprod(self.p)
-        return h_in0 + cp[..., None, None] * h_init.to(self.cdt)[:, :, None]
+            return self.h_in0[i]
+        return torch.addcmul(self.h_in0[i], cp[i][..., None, None],
+                             h_init.to(self.cdt)[:, :, None])
 
     # forward -----------------------------------------------------------------------
 
     def summary(self) -> Tensor:
         """Step 1: the shard's state from a zero state, [B, H, K, V] (a new tensor)."""
-        self.h_in0, self.p, h = self._states()
-        return h.contiguous()
+        return self._states().contiguous()
 
     def intra(self) -> None:
-        """Step 2: the in-chunk outputs."""
-        o = self.q.new_empty(self.B, self.L, self.H, self.V)
+        """Step 2: the in-chunk outputs, per block [B, H, Nb, C, V]."""
+        self.o = []
         for t0, t1 in self.blocks:
             ch = self._chunks(t0, t1, intra=True)
             attn = (ch.qc @ ch.kc.transpose(-1, -2)).mul_(ch.D)
-            o[:, t0:t1] = _to_tokens(attn @ ch.vc, t1 - t0)
-        self.o = o
+            self.o.append(attn @ ch.vc)
 
     def outputs(self, h_init: Tensor | None) -> Tensor:
         """Step 3: o [B, L, H, V] with the carry-in state h_init [B, H, K, V] (or None)."""
         if self.o is None:
             self.intra()
-        h_in = self._with_init(self.h_in0, h_init)
-        o = self.o
-        for t0, t1 in self.blocks:
+        cp = _products(self.p)
+        o = self.q.new_empty(self.B, self.L, self.H, self.V)
+        for i, (t0, t1) in enumerate(self.blocks):
             ch = self._chunks(t0, t1, intra=False, need="q")
-            n = self._n(t0, ch)
-            inter = (ch.qc * ch.wc[..., None]) @ h_in[:, :, n]
-            o[:, t0:t1] += _to_tokens(inter, t1 - t0)
+            ob = _addmm(self.o[i], ch.qc * ch.wc[..., None], self._with_init(i, cp, h_init))
+            self.o[i] = None
+            o[:, t0:t1] = _to_tokens(ob, t1 - t0)
         self.h_in0 = self.p = self.o = None
         return o
 
@@ -161,15 +158,14 @@ class SplitChunks:
     def carry_grad(self, do: Tensor) -> Tensor:
         """Backward step 1: d h_init [B, H, K, V] from the outputs' cotangent do."""
         self.do = do
-        dh_in = self.q.new_empty(self.B, self.H, self.N, self.K, self.V)
+        self.dh_in = [None] * len(self.blocks)
         dh = None
-        for t0, t1 in reversed(self.blocks):
+        for i in reversed(range(len(self.blocks))):
+            t0, t1 = self.blocks[i]
             ch = self._chunks(t0, t1, intra=False, need="q")
-            n = self._n(t0, ch)
-            dh_in[:, :, n] = _reverse_states(ch, self._doc(t0, t1, ch), dh)
-            dh = dh_in[:, :, n.start]
-        self.dh_in = dh_in
-        return dh_in[:, :, 0].clone()
+            self.dh_in[i] = _reverse_states(ch, self._doc(t0, t1, ch), dh)
+            dh = self.dh_in[i][:, :, 0]
+        return dh.clone()
 
     def local(self, h_init: Tensor | None) -> None:
         """Backward step 2: the terms that need only dO (after :meth:`carry_grad`)."""
@@ -179,77 +175,84 @@ class SplitChunks:
         dk = self.q.new_empty(B, L, H, self.K)
         dv = self.q.new_empty(B, L, H, self.V)
         dg = self.q.new_empty(B, L, H) if want_dg else None
-        self.h_in0 = self.q.new_empty(B, H, self.N, self.K, self.V)
-        self.p = self.q.new_empty(B, H, self.N)
+        self.h_in0, self.p, self.dlp_init = [], [], []
         h = self.q.new_zeros(B, H, self.K, self.V)
-        cp = None
-        for t0, t1 in self.blocks:
+        run = self.q.new_ones(B, H)  # the product of the pass factors so far
+        for i, (t0, t1) in enumerate(self.blocks):
             ch = self._chunks(t0, t1, intra=True)
-            n = self._n(t0, ch)
-            # the zero-state scan, block by block (blocks in order), and h_init on top
-            self.h_in0[:, :, n], h = _incoming_states(ch, h)
-            self.p[:, :, n] = ch.p
-            h_in = self.h_in0[:, :, n]
-            if h_init is not None:
-                # cp of these chunks: the product of every earlier chunk's pass factor
-                cp = _exclusive_cumprod(self.p[:, :, : n.stop])[:, :, n]
-                h_in = h_in + cp[..., None, None] * h_init.to(self.cdt)[:, :, None]
+            # the zero-state scan, block by block in order, and h_init on top
+            h_in0, h = _incoming_states(ch, h)
+            self.h_in0.append(h_in0)
+            self.p.append(ch.p)
+            cp = [run[..., None] * _exclusive_cumprod(ch.p)]
+            run = run * ch.p.prod(-1)
+            h_in = self._with_init(i, [None] * i + cp, h_init)
             bq, bk, bv, bg = _local_grads(ch, h_in, self._doc(t0, t1, ch), want_dg)
             dq[:, t0:t1] = _to_tokens(bq, t1 - t0)
             dk[:, t0:t1] = _to_tokens(bk, t1 - t0)
             dv[:, t0:t1] = _to_tokens(bv, t1 - t0)
             if dg is not None:
                 dg[:, t0:t1] = _tokens_of_chunk_values(bg, t1 - t0)
-        if want_dg and h_init is not None:
-            # p cp <h_init, dH_out^loc>: the outputs' share of the pass factors' gradient
-            # that h_in^0 (the zero-state scan) does not carry.
-            cp = _exclusive_cumprod(self.p)
-            dh_out = self._dh_out_local()
-            self.dlp_init = self.p * cp * torch.einsum(
-                "bhkv,bhnkv->bhn", h_init.to(self.cdt), dh_out)
-        else:
-            self.dlp_init = None
+            if want_dg and h_init is not None:
+                # p cp <h_init, dH_out^loc>: the outputs' share of the pass factors'
+                # gradient that h_in^0 (the zero-state scan) does not carry
+                self.dlp_init.append(ch.p * cp[0] * torch.einsum(
+                    "bhkv,bhnkv->bhn", h_init.to(self.cdt), self._dh_out_local(i)))
         self.grads = [dq, dk, dv, dg]
 
-    def _dh_out_local(self) -> Tensor:
-        """dH_out^loc [B, H, N, K, V]: the gradient of the state leaving each chunk, from dO."""
+    def _dh_out_local(self, i: int) -> Tensor:
+        """Block i's dH_out^loc [B, H, Nb, K, V], the gradient of the state leaving each of
+        its chunks, from dO alone: the next chunk's dH_in."""
+        Nb = self.p[i].shape[2]
         if self.dh_in is None:
-            return self.q.new_zeros(self.B, self.H, self.N, self.K, self.V)
-        return F.pad(self.dh_in[:, :, 1:], (0, 0, 0, 0, 0, 1))
+            return self.q.new_zeros(self.B, self.H, Nb, self.K, self.V)
+        after = (self.dh_in[i + 1][:, :, :1] if i + 1 < len(self.blocks)
+                 else self.q.new_zeros(self.B, self.H, 1, self.K, self.V))
+        return torch.cat([self.dh_in[i][:, :, 1:], after], dim=2)
 
     def finish(self, dS: Tensor | None) -> list[Tensor | None]:
         """Backward step 3: with dS [B, H, K, V], the gradient of :meth:`summary`'s state,
         the whole gradients dq, dk, dv [B, L, H, *] and dg [B, L, H] (None without g).
         Without steps 1-2 (the outputs had no gradient) the local terms are 0."""
         if self.grads is None:
-            self.h_in0, self.p, _ = self._states()
+            self._states()
             z = self.q.new_zeros
             self.grads = [z(self.B, self.L, self.H, self.K), z(self.B, self.L, self.H, self.K),
                           z(self.B, self.L, self.H, self.V),
                           None if self.g is None else z(self.B, self.L, self.H)]
-            self.dlp_init = None
+            self.dlp_init = []
         dq, dk, dv, dg = self.grads
-        dh_out = self._dh_out_local()
-        if dS is not None:
-            cpr = _exclusive_cumprod(self.p, reverse=True)
-            dh_out.add_(cpr[..., None, None] * dS.to(self.cdt)[:, :, None])
-        for t0, t1 in self.blocks:
+        cpr = _products(self.p, reverse=True)
+        for i, (t0, t1) in enumerate(self.blocks):
             ch = self._chunks(t0, t1, intra=False, need="kv")
-            n = self._n(t0, ch)
+            dh_out = self._dh_out_local(i)
+            if dS is not None:
+                dh_out.addcmul_(cpr[i][..., None, None], dS.to(self.cdt)[:, :, None])
             bk = torch.zeros_like(ch.kc)
             bv = torch.zeros_like(ch.vc)
             bg = None
             if dg is not None:
                 bg = torch.zeros_like(ch.wc)
-                if self.dlp_init is not None:
-                    bg += self.dlp_init[:, :, n, None]
-            _state_grads(ch, self.h_in0[:, :, n], dh_out[:, :, n], bk, bv, bg)
+                if self.dlp_init:
+                    bg += self.dlp_init[i][..., None]
+            _state_grads(ch, self.h_in0[i], dh_out, bk, bv, bg)
             dk[:, t0:t1] += _to_tokens(bk, t1 - t0)
             dv[:, t0:t1] += _to_tokens(bv, t1 - t0)
             if dg is not None:
                 dg[:, t0:t1] += _tokens_of_chunk_values(bg, t1 - t0)
-        self.h_in0 = self.p = self.do = self.dh_in = self.grads = None
+        self.h_in0 = self.p = self.do = self.dh_in = self.grads = self.dlp_init = None
         return [dq, dk, dv, dg]
+
+
+def _products(ps: list[Tensor], reverse: bool = False) -> list[Tensor]:
+    """Per block, the product of the pass factors of all the piece's chunks before
+    (``reverse``: after) each of its chunks; ps: per block [B, H, Nb]."""
+    out: list[Tensor] = [ps[0]] * len(ps)
+    run = torch.ones_like(ps[0][..., 0])
+    for i in (reversed(range(len(ps))) if reverse else range(len(ps))):
+        out[i] = run[..., None] * _exclusive_cumprod(ps[i], reverse)
+        run = run * ps[i].prod(-1)
+    return out
 
 
 def _tokens_of_chunk_values(x: Tensor, T: int) -> Tensor:
