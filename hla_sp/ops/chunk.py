@@ -183,16 +183,25 @@ def _to_tokens(x: Tensor, T: int) -> Tensor:
 
 
 BLOCK_TOKENS = 512
-"""Tokens per block of the blocked forward and backward: every temporary is the size
-of one block (8 chunks of 64), so the memory a call adds beyond its inputs and
-outputs does not grow with T, while each batched matmul still covers 8 x B x H
-chunks. Measured for hla2 at T = 16k, B=1, H=4, K=V=64, 1 thread: 512 tokens 155 MiB
-and 0.40 s fwd+bwd, 1024 tokens 185 MiB and 0.41 s, 2048 tokens 203 MiB and 0.52 s."""
+"""Tokens per block of the blocked forward and backward, at a width B H (K + V) of
+BLOCK_WIDTH: every temporary is the size of one block (8 chunks of 64), so the memory a
+call adds beyond its inputs and outputs does not grow with T, while each batched matmul
+still covers 8 x B x H chunks. Measured for hla2 at T = 16k, B=1, H=4, K=V=64, 1 thread:
+512 tokens 155 MiB and 0.40 s fwd+bwd, 1024 tokens 185 MiB and 0.41 s, 2048 tokens
+203 MiB and 0.52 s."""
+
+BLOCK_WIDTH = 512
+"""A narrower call gets proportionally longer blocks (up to 16x), so that a block holds
+about as many elements: at small widths the per-operation overhead of many small
+blocks dominates. Measured for hla2 at T = 8k, B=1, H=2, K=V=32 (width 128), 1 thread:
+512-token blocks 91 ms fwd+bwd, 2048-token blocks 77 ms."""
 
 
-def _blocks(T: int, C: int) -> list[tuple[int, int]]:
-    """Token ranges [t0, t1) of the blocks: whole chunks, the last one possibly short."""
-    step = max(1, BLOCK_TOKENS // C) * C
+def _blocks(T: int, C: int, width: int) -> list[tuple[int, int]]:
+    """Token ranges [t0, t1) of the blocks: whole chunks, the last one possibly short.
+    ``width`` is B H (K + V) of the call."""
+    scale = min(16, max(1, BLOCK_WIDTH // max(1, width)))
+    step = max(1, BLOCK_TOKENS * scale // C) * C
     return [(t0, min(T, t0 + step)) for t0 in range(0, T, step)]
 
 
@@ -216,7 +225,7 @@ def chunk_forward(
         return q.new_zeros(B, 0, H, V, dtype=cdt), h.clone()  # never an alias of h0
     o = q.new_empty(B, T, H, V, dtype=cdt)
     with torch.no_grad():
-        for t0, t1 in _blocks(T, chunk_size):
+        for t0, t1 in _blocks(T, chunk_size, B * H * (K + V)):
             ch = _prepare(q[:, t0:t1], k[:, t0:t1], v[:, t0:t1], _part(g, t0, t1),
                           _part(resets, t0, t1), chunk_size)
             h_in, h = _incoming_states(ch, h)
@@ -333,7 +342,7 @@ def chunk_backward(
         zq, zv = q.new_zeros(B, 0, H, K, dtype=cdt), q.new_zeros(B, 0, H, V, dtype=cdt)
         dg = None if g is None else q.new_zeros(B, 0, H, dtype=cdt)
         return zq, zq.clone(), zv, dg, (None if h0 is None else dh)
-    blocks = _blocks(T, C)
+    blocks = _blocks(T, C, B * H * (K + V))
 
     def block(t0: int, t1: int) -> _Chunks:
         return _prepare(q[:, t0:t1], k[:, t0:t1], v[:, t0:t1], _part(g, t0, t1),

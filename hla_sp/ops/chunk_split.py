@@ -81,7 +81,7 @@ class SplitChunks:
         B, L, H, K = q.shape
         self.B, self.L, self.H, self.K, self.V = B, L, H, K, v.shape[-1]
         self.cdt = compute_dtype(q.dtype)
-        self.blocks = _blocks(L, chunk_size)
+        self.blocks = _blocks(L, chunk_size, B * H * (K + self.V))
         self.N = -(-L // chunk_size)
         # Kept from one step to the next, per block, and dropped when no longer needed.
         self.h_in0: list | None = None  # [B, H, Nb, K, V] zero-state incoming states
