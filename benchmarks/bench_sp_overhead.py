@@ -38,7 +38,7 @@ from hla_sp.testing import World
 METHODS = ["allgather", "ring", "tree"]
 
 
-def main(T_local: int = 8192, H: int = 2, K: int = 32, V: int = 32, reps: int = 7) -> None:
+def main(T_local: int = 8192, H: int = 2, K: int = 32, V: int = 32, reps: int = 15) -> None:
     data: dict = {"config": {"op": "hla2", "T_local": T_local, "H": H, "K": K, "V": V,
                              "dtype": "float32", "reps": reps,
                              "allocator": f"keep: {KEEP_FREED}",
