@@ -344,16 +344,17 @@ def chunk_backward(
         return zq, zq.clone(), zv, dg, (None if h0 is None else dh)
     blocks = _blocks(T, C, B * H * (K + V))
 
-    def block(t0: int, t1: int) -> _Chunks:
-        return _prepare(q[:, t0:t1], k[:, t0:t1], v[:, t0:t1], _part(g, t0, t1),
-                        _part(resets, t0, t1), C)
+    def block(t0: int, t1: int, states_only: bool = False) -> _Chunks:
+        # the first pass needs only the states: no q, no in-chunk decays
+        return _prepare(None if states_only else q[:, t0:t1], k[:, t0:t1], v[:, t0:t1],
+                        _part(g, t0, t1), _part(resets, t0, t1), C, intra=not states_only)
 
     with torch.no_grad():
         h = torch.zeros(B, H, K, V, dtype=cdt, device=q.device) if h0 is None else h0.to(cdt)
         entries = []
         for t0, t1 in blocks[:-1]:
             entries.append(h)
-            h = _incoming_states(block(t0, t1), h)[1].contiguous()
+            h = _incoming_states(block(t0, t1, states_only=True), h)[1].contiguous()
         entries.append(h)
         dq = q.new_empty(B, T, H, K, dtype=cdt)
         dk = q.new_empty(B, T, H, K, dtype=cdt)

@@ -90,7 +90,12 @@ class SplitChunks:
         self.do: Tensor | None = None  # [B, L, H, V] the outputs' cotangent
         self.dh_in: list | None = None  # [B, H, Nb, K, V] dH_in from dO alone
         self.dlp_init: list | None = None  # [B, H, Nb] see local()
-        self.grads: list[Tensor | None] | None = None  # dq, dk, dv, dg being built
+        self.grads: list | None = None  # dq, and per block dk, dv, dg being built
+        # Each block's chunks, kept from one step to the next, so that every input is
+        # cut into chunks once per pass direction (as the one-call path does); each step
+        # drops what the next does not use.
+        self.cut: list[_Chunks] | None = None
+        self.docs: list[Tensor] | None = None  # [B, H, Nb, C, V] dO cut into chunks
 
     def _chunks(self, t0: int, t1: int, intra: bool, need: str = "qkv") -> _Chunks:
         """The block [t0, t1) cut into chunks, with heads-first copies of ``need`` only."""
@@ -101,15 +106,16 @@ class SplitChunks:
         return _prepare(q, k, v, g, r, self.C, intra=intra)
 
     def _states(self) -> Tensor:
-        """The zero-state scan: per block h_in^0 [B, H, Nb, K, V] and p [B, H, Nb] (kept);
-        returns the state after the piece."""
-        self.h_in0, self.p = [], []
+        """The zero-state scan: per block h_in^0 [B, H, Nb, K, V] and p [B, H, Nb] (kept,
+        and the blocks' K, V chunks); returns the state after the piece."""
+        self.h_in0, self.p, self.cut = [], [], []
         h = self.q.new_zeros(self.B, self.H, self.K, self.V)
         for t0, t1 in self.blocks:
             ch = self._chunks(t0, t1, intra=False, need="kv")
             h_in0, h = _incoming_states(ch, h)
             self.h_in0.append(h_in0)
             self.p.append(ch.p)
+            self.cut.append(ch)
         return h
 
     def _with_init(self, i: int, cp: list[Tensor], h_init: Tensor | None) -> Tensor:
@@ -128,10 +134,13 @@ class SplitChunks:
     def intra(self) -> None:
         """Step 2: the in-chunk outputs, per block [B, H, Nb, C, V]."""
         self.o = []
-        for t0, t1 in self.blocks:
-            ch = self._chunks(t0, t1, intra=True)
-            attn = (ch.qc @ ch.kc.transpose(-1, -2)).mul_(ch.D)
-            self.o.append(attn @ ch.vc)
+        for i, (t0, t1) in enumerate(self.blocks):
+            ch = self._chunks(t0, t1, intra=True, need="q")
+            kc, vc = self.cut[i].kc, self.cut[i].vc
+            attn = (ch.qc @ kc.transpose(-1, -2)).mul_(ch.D)
+            self.o.append(attn @ vc)
+            ch.D = None
+            self.cut[i] = ch  # Q for the outputs; K, V no longer needed
 
     def outputs(self, h_init: Tensor | None) -> Tensor:
         """Step 3: o [B, L, H, V] with the carry-in state h_init [B, H, K, V] (or None)."""
@@ -140,11 +149,11 @@ class SplitChunks:
         cp = _products(self.p)
         o = self.q.new_empty(self.B, self.L, self.H, self.V)
         for i, (t0, t1) in enumerate(self.blocks):
-            ch = self._chunks(t0, t1, intra=False, need="q")
+            ch = self.cut[i]
             ob = _addmm(self.o[i], ch.qc * ch.wc[..., None], self._with_init(i, cp, h_init))
-            self.o[i] = None
+            self.o[i] = self.cut[i] = None
             o[:, t0:t1] = _to_tokens(ob, t1 - t0)
-        self.h_in0 = self.p = self.o = None
+        self.h_in0 = self.p = self.o = self.cut = None
         return o
 
     # backward ----------------------------------------------------------------------
@@ -158,13 +167,16 @@ class SplitChunks:
     def carry_grad(self, do: Tensor) -> Tensor:
         """Backward step 1: d h_init [B, H, K, V] from the outputs' cotangent do."""
         self.do = do
-        self.dh_in = [None] * len(self.blocks)
+        n = len(self.blocks)
+        self.dh_in, self.cut, self.docs = [None] * n, [None] * n, [None] * n
         dh = None
-        for i in reversed(range(len(self.blocks))):
+        for i in reversed(range(n)):
             t0, t1 = self.blocks[i]
             ch = self._chunks(t0, t1, intra=False, need="q")
-            self.dh_in[i] = _reverse_states(ch, self._doc(t0, t1, ch), dh)
+            self.cut[i], self.docs[i] = ch, self._doc(t0, t1, ch)
+            self.dh_in[i] = _reverse_states(ch, self.docs[i], dh)
             dh = self.dh_in[i][:, :, 0]
+        self.do = None
         return dh.clone()
 
     def local(self, h_init: Tensor | None) -> None:
@@ -172,14 +184,15 @@ class SplitChunks:
         B, L, H = self.B, self.L, self.H
         want_dg = self.g is not None
         dq = self.q.new_empty(B, L, H, self.K)
-        dk = self.q.new_empty(B, L, H, self.K)
-        dv = self.q.new_empty(B, L, H, self.V)
-        dg = self.q.new_empty(B, L, H) if want_dg else None
+        partial: list[tuple[Tensor, Tensor, Tensor | None]] = []
         self.h_in0, self.p, self.dlp_init = [], [], []
         h = self.q.new_zeros(B, H, self.K, self.V)
         run = self.q.new_ones(B, H)  # the product of the pass factors so far
         for i, (t0, t1) in enumerate(self.blocks):
-            ch = self._chunks(t0, t1, intra=True)
+            ch = self._chunks(t0, t1, intra=True, need="kv")
+            ch.qc = self.cut[i].qc
+            doc = self.docs[i]
+            self.docs[i] = None
             # the zero-state scan, block by block in order, and h_init on top
             h_in0, h = _incoming_states(ch, h)
             self.h_in0.append(h_in0)
@@ -187,18 +200,18 @@ class SplitChunks:
             cp = [run[..., None] * _exclusive_cumprod(ch.p)]
             run = run * ch.p.prod(-1)
             h_in = self._with_init(i, [None] * i + cp, h_init)
-            bq, bk, bv, bg = _local_grads(ch, h_in, self._doc(t0, t1, ch), want_dg)
+            bq, bk, bv, bg = _local_grads(ch, h_in, doc, want_dg)
+            ch.qc = ch.D = None
+            self.cut[i] = ch  # K, V for the state terms
             dq[:, t0:t1] = _to_tokens(bq, t1 - t0)
-            dk[:, t0:t1] = _to_tokens(bk, t1 - t0)
-            dv[:, t0:t1] = _to_tokens(bv, t1 - t0)
-            if dg is not None:
-                dg[:, t0:t1] = _tokens_of_chunk_values(bg, t1 - t0)
+            partial.append((bk, bv, bg))  # completed in place by finish()
             if want_dg and h_init is not None:
                 # p cp <h_init, dH_out^loc>: the outputs' share of the pass factors'
                 # gradient that h_in^0 (the zero-state scan) does not carry
                 self.dlp_init.append(ch.p * cp[0] * torch.einsum(
                     "bhkv,bhnkv->bhn", h_init.to(self.cdt), self._dh_out_local(i)))
-        self.grads = [dq, dk, dv, dg]
+        self.grads = [dq, partial]
+        self.docs = None
 
     def _dh_out_local(self, i: int) -> Tensor:
         """Block i's dH_out^loc [B, H, Nb, K, V], the gradient of the state leaving each of
@@ -214,33 +227,38 @@ class SplitChunks:
         """Backward step 3: with dS [B, H, K, V], the gradient of :meth:`summary`'s state,
         the whole gradients dq, dk, dv [B, L, H, *] and dg [B, L, H] (None without g).
         Without steps 1-2 (the outputs had no gradient) the local terms are 0."""
+        B, L, H = self.B, self.L, self.H
         if self.grads is None:
             self._states()
-            z = self.q.new_zeros
-            self.grads = [z(self.B, self.L, self.H, self.K), z(self.B, self.L, self.H, self.K),
-                          z(self.B, self.L, self.H, self.V),
-                          None if self.g is None else z(self.B, self.L, self.H)]
             self.dlp_init = []
-        dq, dk, dv, dg = self.grads
+            dq, partial = self.q.new_zeros(B, L, H, self.K), None
+        else:
+            dq, partial = self.grads
+        want_dg = self.g is not None
+        dk = self.q.new_empty(B, L, H, self.K)
+        dv = self.q.new_empty(B, L, H, self.V)
+        dg = self.q.new_empty(B, L, H) if want_dg else None
         cpr = _products(self.p, reverse=True)
         for i, (t0, t1) in enumerate(self.blocks):
-            ch = self._chunks(t0, t1, intra=False, need="kv")
+            ch = self.cut[i]
+            self.cut[i] = None
             dh_out = self._dh_out_local(i)
             if dS is not None:
                 dh_out.addcmul_(cpr[i][..., None, None], dS.to(self.cdt)[:, :, None])
-            bk = torch.zeros_like(ch.kc)
-            bv = torch.zeros_like(ch.vc)
-            bg = None
-            if dg is not None:
-                bg = torch.zeros_like(ch.wc)
-                if self.dlp_init:
-                    bg += self.dlp_init[i][..., None]
+            if partial is None:
+                bk, bv = torch.zeros_like(ch.kc), torch.zeros_like(ch.vc)
+                bg = torch.zeros_like(ch.wc) if want_dg else None
+            else:
+                bk, bv, bg = partial[i]
+                partial[i] = None
+            if bg is not None and self.dlp_init:
+                bg += self.dlp_init[i][..., None]
             _state_grads(ch, self.h_in0[i], dh_out, bk, bv, bg)
-            dk[:, t0:t1] += _to_tokens(bk, t1 - t0)
-            dv[:, t0:t1] += _to_tokens(bv, t1 - t0)
+            dk[:, t0:t1] = _to_tokens(bk, t1 - t0)
+            dv[:, t0:t1] = _to_tokens(bv, t1 - t0)
             if dg is not None:
-                dg[:, t0:t1] += _tokens_of_chunk_values(bg, t1 - t0)
-        self.h_in0 = self.p = self.do = self.dh_in = self.grads = self.dlp_init = None
+                dg[:, t0:t1] = _tokens_of_chunk_values(bg, t1 - t0)
+        self.h_in0 = self.p = self.dh_in = self.grads = self.dlp_init = self.cut = None
         return [dq, dk, dv, dg]
 
 
