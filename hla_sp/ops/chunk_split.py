@@ -29,8 +29,13 @@ The decay's gradient through the pass factors is p <h_in, dH_out> for the output
 (h_in with h_init) and p <h_in^0, cpr dS> for the summary (zero state); it is
 computed as p <h_in^0, dH_out> + p cp <h_init, dH_out^loc>, with no subtraction.
 
-Memory: between the steps a shard keeps [B, H, N, K, V] per-chunk states (N = L / C)
-and, in backward, its gradients; every other temporary is one block's.
+Memory: between the steps a shard keeps its per-chunk states ([B, H, N, K, V], N = L / C),
+the chunked inputs the next step reads (each input is cut into chunks once per
+direction, as the one-call path does: forward K, V from step 1 to 2 and Q from 2 to 3;
+backward Q and dO from step 1 to 2 and K, V from 2 to 3) and, in backward, the
+gradients being built. So a sharded stage holds up to about four input-sized tensors
+more than the one-call path, between its steps only; the autograd graph still keeps
+nothing but the inputs.
 """
 
 from __future__ import annotations
