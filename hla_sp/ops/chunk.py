@@ -79,6 +79,7 @@ class _Chunks:
     D: [B, H, N, C, C] in-chunk decay exp(segsum), 0 where masked (causal, resets).
     wc: [B, H, N, C] weight of the incoming state for token t, exp(b_t).
     ws: [B, H, N, C] weight of token j in its chunk's summary, exp(b_C - b_j).
+        wc and ws are None when they are all ones (no decay, no document start).
     p: [B, H, N] pass factor of each chunk, exp(b_C) (0 when the chunk holds a start).
     """
 
@@ -86,11 +87,16 @@ class _Chunks:
     kc: Tensor
     vc: Tensor
     D: Tensor | None  # None when prepared without the in-chunk terms
-    wc: Tensor
-    ws: Tensor
+    wc: Tensor | None
+    ws: Tensor | None
     p: Tensor
     T: int
     pad: int
+
+
+def _weighted(x: Tensor, w: Tensor | None) -> Tensor:
+    """x [..., C, D] times a per-token weight w [..., C]; w None (all ones) costs no copy."""
+    return x if w is None else x * w[..., None]
 
 
 def _heads_first(x: Tensor, B: int, N: int, C: int, H: int) -> Tensor:
@@ -128,8 +134,7 @@ def _prepare(
     if g is None:
         if intra:
             D = causal.to(cdt).expand(B, H, N, C, C)
-        wc = q.new_ones(B, H, N, C)
-        ws = q.new_ones(B, H, N, C)
+        wc = ws = None  # all ones: no per-token weight to apply
         p = q.new_ones(B, H, N)
     else:
         gg = F.pad(g.to(cdt), (0, 0, 0, pad)) if pad else g.to(cdt)
@@ -147,8 +152,9 @@ def _prepare(
         c = r.view(B, N, C).long().cumsum(-1)[:, None]  # starts seen so far in the chunk
         if D is not None:
             D = D * (causal & (c[..., :, None] == c[..., None, :]))
-        ws = ws * (c == c[..., -1:])
-        wc = wc * (c == 0)
+        ones = q.new_ones(B, H, N, C)
+        ws = (ones if ws is None else ws) * (c == c[..., -1:])
+        wc = (ones if wc is None else wc) * (c == 0)
         p = p * (c[..., -1] == 0)
     return _Chunks(qc, kc, vc, D, wc, ws, p, T, pad)
 
@@ -167,7 +173,7 @@ def _incoming_states(ch: _Chunks, h0: Tensor | None) -> tuple[Tensor, Tensor]:
     All chunk summaries in one batched matmul, then the scan h_n = p_n h_{n-1} + s_n
     over N, in place (one fused multiply-add per chunk on a [B, H, K, V] state).
     """
-    s = (ch.kc * ch.ws[..., None]).transpose(-1, -2) @ ch.vc  # [B, H, N, K, V]
+    s = _weighted(ch.kc, ch.ws).transpose(-1, -2) @ ch.vc  # [B, H, N, K, V]
     if h0 is not None:
         s[:, :, 0].addcmul_(ch.p[:, :, 0, None, None], h0.to(s.dtype))
     for n in range(1, s.shape[2]):
@@ -230,7 +236,7 @@ def chunk_forward(
                           _part(resets, t0, t1), chunk_size)
             h_in, h = _incoming_states(ch, h)
             attn = (ch.qc @ ch.kc.transpose(-1, -2)).mul_(ch.D)  # [B, H, N, C, C]
-            ob = _addmm(attn @ ch.vc, ch.qc * ch.wc[..., None], h_in)
+            ob = _addmm(attn @ ch.vc, _weighted(ch.qc, ch.wc), h_in)
             del attn
             o[:, t0:t1] = _to_tokens(ob, t1 - t0)
     return o, h.contiguous()
@@ -241,7 +247,7 @@ def _reverse_states(ch: _Chunks, doc: Tensor, dh_next: Tensor | None) -> Tensor:
     outputs' cotangent doc [B, H, N, C, V] and dh_next [B, H, K, V] (the gradient of the
     state leaving the block, or None for 0), in place: X_n = (Q ⊙ wc)_n^T dO_n, then
     X_n += p_n X_{n+1}."""
-    dh_in = (ch.qc * ch.wc[..., None]).transpose(-1, -2) @ doc
+    dh_in = _weighted(ch.qc, ch.wc).transpose(-1, -2) @ doc
     if dh_next is not None:
         dh_in[:, :, -1].addcmul_(ch.p[:, :, -1, None, None], dh_next)
     for n in range(dh_in.shape[2] - 2, -1, -1):
@@ -264,11 +270,13 @@ def _local_grads(
         dL = dA * A  # gradient of each in-chunk segment sum; 0 where masked
         db = dL.sum(-1) - dL.sum(-2)  # on b_t as the later end, minus as the earlier
         del dL
-        db += (ch.qc * ch.wc[..., None] * dq_carry).sum(-1)  # the carry weight exp(b_t)
+        db += (_weighted(ch.qc, ch.wc) * dq_carry).sum(-1)  # the carry weight exp(b_t)
         dg = db.flip(-1).cumsum(-1).flip(-1)  # g_i enters b_t for every t >= i
     del A
     dQK = dA.mul_(ch.D)
-    dq = _addmm(dq_carry.mul_(ch.wc[..., None]), dQK, ch.kc)
+    if ch.wc is not None:
+        dq_carry.mul_(ch.wc[..., None])
+    dq = _addmm(dq_carry, dQK, ch.kc)
     dk = dQK.transpose(-1, -2) @ ch.qc
     return dq, dk, dv, dg
 
@@ -279,14 +287,17 @@ def _state_grads(
     """Add, in place, the part of one block's gradients that flows through the states
     leaving its chunks, dh_out [B, H, N, K, V]: the summaries' dK, dV, and on dg the
     summary weights exp(b_C - b_j) and the pass factors p <h_in, dh_out>."""
-    kw = ch.kc * ch.ws[..., None]
+    kw = _weighted(ch.kc, ch.ws)
     dk_state = ch.vc @ dh_out.transpose(-1, -2)  # [B, H, N, C, K]
     _addmm(dv, kw, dh_out)
     if dg is not None:
         dlws = (kw * dk_state).sum(-1)
         dg += dlws.cumsum(-1) - dlws  # g_i enters b_C - b_j for every j < i ...
         dg += (ch.p * (h_in * dh_out).sum((-1, -2)))[..., None]  # ... and b_C
-    dk.addcmul_(dk_state, ch.ws[..., None])
+    if ch.ws is None:
+        dk.add_(dk_state)
+    else:
+        dk.addcmul_(dk_state, ch.ws[..., None])
 
 
 def _block_backward(

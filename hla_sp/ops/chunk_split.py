@@ -54,6 +54,7 @@ from hla_sp.ops.chunk import (
     _reverse_states,
     _state_grads,
     _to_tokens,
+    _weighted,
 )
 from hla_sp.ops.precision import compute_dtype
 
@@ -155,7 +156,7 @@ class SplitChunks:
         o = self.q.new_empty(self.B, self.L, self.H, self.V)
         for i, (t0, t1) in enumerate(self.blocks):
             ch = self.cut[i]
-            ob = _addmm(self.o[i], ch.qc * ch.wc[..., None], self._with_init(i, cp, h_init))
+            ob = _addmm(self.o[i], _weighted(ch.qc, ch.wc), self._with_init(i, cp, h_init))
             self.o[i] = self.cut[i] = None
             o[:, t0:t1] = _to_tokens(ob, t1 - t0)
         self.h_in0 = self.p = self.o = self.cut = None
