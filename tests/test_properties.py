@@ -77,3 +77,23 @@ def test_summary_matches_the_final_state_of_the_primitive():
     h, a = segment_summary(k, v, g)
     assert rel_err(h, final) < 1e-12
     assert rel_err(a, g.sum(1)) < 1e-12
+
+
+@SETTINGS
+@given(start=st.sampled_from([0.0, 1.0]), batch=st.sampled_from([(), (3,)]),
+       seed=st.integers(0, 2**16))
+def test_combine_vjp_equals_autograd(start, batch, seed):
+    """The written-out VJP of ⊕ (run on ring/tree helper threads) is autograd's, exactly."""
+    from hla_sp.parallel import summaries as S
+
+    shape = S.SummaryShape(2, 3, 4, 5)
+    gen = torch.Generator().manual_seed(seed)
+    x, y, d = (torch.randn(*batch, shape.size, generator=gen, dtype=torch.float64)
+               for _ in range(3))
+    y[..., -1] = start
+    x[..., -1] = 0.0
+    xr, yr = x.clone().requires_grad_(True), y.clone().requires_grad_(True)
+    want = torch.autograd.grad(S.combine(shape, xr, yr), (xr, yr), d)
+    got = S.combine_vjp(shape, x, y, d)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
