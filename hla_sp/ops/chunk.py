@@ -188,6 +188,12 @@ def _to_tokens(x: Tensor, T: int) -> Tensor:
     return x.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, Dd)[:, :T]
 
 
+def _tokens_of_chunk_values(x: Tensor, T: int) -> Tensor:
+    """[B, H, N, C] -> [B, T, H] (drops the padding)."""
+    B, H, N, C = x.shape
+    return x.permute(0, 2, 3, 1).reshape(B, N * C, H)[:, :T]
+
+
 BLOCK_TOKENS = 512
 """Tokens per block of the blocked forward and backward, at a width B H (K + V) of
 BLOCK_WIDTH: every temporary is the size of one block (8 chunks of 64), so the memory a
@@ -383,7 +389,7 @@ def chunk_backward(
             dk[:, t0:t1] = _to_tokens(bk, t1 - t0)
             dv[:, t0:t1] = _to_tokens(bv, t1 - t0)
             if dg is not None and bg is not None:
-                dg[:, t0:t1] = bg.permute(0, 2, 3, 1).reshape(B, N * C, H)[:, : t1 - t0]
+                dg[:, t0:t1] = _tokens_of_chunk_values(bg, t1 - t0)
         return dq, dk, dv, dg, (None if h0 is None else dh.contiguous())
 
 
@@ -462,6 +468,23 @@ def segment_summary(
     total = suffix[:, 0]
     w = torch.exp(F.pad(suffix[:, 1:], (0, 0, 0, 1)))  # sum_{i > j} g_i
     return torch.einsum("blhk,blhv->bhkv", k * w[..., None], v), total
+
+
+def with_carry_terms(
+    o: Tensor, q: Tensor, g: Tensor | None, spans: Sequence[tuple[int, int, Tensor]]
+) -> Tensor:
+    """o [B, T, H, V] with, on each span [s, e) (disjoint, in order), the term of the
+    state h [B, H, K, V] carried into it: :func:`carry_term` of that span. A new tensor
+    (no in-place write on o, which autograd may hold)."""
+    if not spans:
+        return o
+    parts, at = [], 0
+    for s, e, h in spans:
+        term = carry_term(q[:, s:e], None if g is None else g[:, s:e], h)
+        parts += [o[:, at:s], o[:, s:e] + term]
+        at = e
+    parts.append(o[:, at:])
+    return torch.cat(parts, dim=1)
 
 
 def carry_term(q: torch.Tensor, g: torch.Tensor | None, h0: torch.Tensor) -> torch.Tensor:

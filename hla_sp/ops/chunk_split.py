@@ -54,6 +54,7 @@ from hla_sp.ops.chunk import (
     _reverse_states,
     _state_grads,
     _to_tokens,
+    _tokens_of_chunk_values,
     _weighted,
 )
 from hla_sp.ops.precision import compute_dtype
@@ -88,7 +89,6 @@ class SplitChunks:
         self.B, self.L, self.H, self.K, self.V = B, L, H, K, v.shape[-1]
         self.cdt = compute_dtype(q.dtype)
         self.blocks = _blocks(L, chunk_size, B * H * (K + self.V))
-        self.N = -(-L // chunk_size)
         # Kept from one step to the next, per block, and dropped when no longer needed.
         self.h_in0: list | None = None  # [B, H, Nb, K, V] zero-state incoming states
         self.p: list | None = None  # [B, H, Nb] pass factors
@@ -124,11 +124,12 @@ class SplitChunks:
             self.cut.append(ch)
         return h
 
-    def _with_init(self, i: int, cp: list[Tensor], h_init: Tensor | None) -> Tensor:
-        """Block i's incoming states with h_init carried in: h_in^0 + cp h_init."""
+    def _with_init(self, i: int, cp: Tensor, h_init: Tensor | None) -> Tensor:
+        """Block i's incoming states with h_init carried in: h_in^0 + cp h_init, cp
+        [B, H, Nb] being the block's products of the earlier pass factors."""
         if h_init is None:
             return self.h_in0[i]
-        return torch.addcmul(self.h_in0[i], cp[i][..., None, None],
+        return torch.addcmul(self.h_in0[i], cp[..., None, None],
                              h_init.to(self.cdt)[:, :, None])
 
     # forward -----------------------------------------------------------------------
@@ -156,7 +157,7 @@ class SplitChunks:
         o = self.q.new_empty(self.B, self.L, self.H, self.V)
         for i, (t0, t1) in enumerate(self.blocks):
             ch = self.cut[i]
-            ob = _addmm(self.o[i], _weighted(ch.qc, ch.wc), self._with_init(i, cp, h_init))
+            ob = _addmm(self.o[i], _weighted(ch.qc, ch.wc), self._with_init(i, cp[i], h_init))
             self.o[i] = self.cut[i] = None
             o[:, t0:t1] = _to_tokens(ob, t1 - t0)
         self.h_in0 = self.p = self.o = self.cut = None
@@ -203,9 +204,8 @@ class SplitChunks:
             h_in0, h = _incoming_states(ch, h)
             self.h_in0.append(h_in0)
             self.p.append(ch.p)
-            cp = [run[..., None] * _exclusive_cumprod(ch.p)]
-            run = run * ch.p.prod(-1)
-            h_in = self._with_init(i, [None] * i + cp, h_init)
+            cp, run = _block_products(run, ch.p)
+            h_in = self._with_init(i, cp, h_init)
             bq, bk, bv, bg = _local_grads(ch, h_in, doc, want_dg)
             ch.qc = ch.D = None
             self.cut[i] = ch  # K, V for the state terms
@@ -214,7 +214,7 @@ class SplitChunks:
             if want_dg and h_init is not None:
                 # p cp <h_init, dH_out^loc>: the outputs' share of the pass factors'
                 # gradient that h_in^0 (the zero-state scan) does not carry
-                self.dlp_init.append(ch.p * cp[0] * torch.einsum(
+                self.dlp_init.append(ch.p * cp * torch.einsum(
                     "bhkv,bhnkv->bhn", h_init.to(self.cdt), self._dh_out_local(i)))
         self.grads = [dq, partial]
         self.docs = None
@@ -274,12 +274,12 @@ def _products(ps: list[Tensor], reverse: bool = False) -> list[Tensor]:
     out: list[Tensor] = [ps[0]] * len(ps)
     run = torch.ones_like(ps[0][..., 0])
     for i in (reversed(range(len(ps))) if reverse else range(len(ps))):
-        out[i] = run[..., None] * _exclusive_cumprod(ps[i], reverse)
-        run = run * ps[i].prod(-1)
+        out[i], run = _block_products(run, ps[i], reverse)
     return out
 
 
-def _tokens_of_chunk_values(x: Tensor, T: int) -> Tensor:
-    """[B, H, N, C] -> [B, T, H] (drops the padding)."""
-    B, H, N, C = x.shape
-    return x.permute(0, 2, 3, 1).reshape(B, N * C, H)[:, :T]
+def _block_products(run: Tensor, p: Tensor, reverse: bool = False) -> tuple[Tensor, Tensor]:
+    """One block of :func:`_products`: with ``run`` [B, H] the product of the pass
+    factors of the blocks before (after) it, the products for its chunks [B, H, Nb] and
+    the running product past it."""
+    return run[..., None] * _exclusive_cumprod(p, reverse), run * p.prod(-1)

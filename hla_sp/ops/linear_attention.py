@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from hla_sp.ops import validate
-from hla_sp.ops.chunk import carry_term, document_resets, segment_summary
+from hla_sp.ops.chunk import document_resets, segment_summary, with_carry_terms
 from hla_sp.ops.custom_op import chunk_impl
 from hla_sp.ops.sharding import SequenceParallelism
 
@@ -65,11 +65,9 @@ def local_primitive(
     def piece(x: torch.Tensor | None, s: int, e: int) -> torch.Tensor | None:
         return None if x is None else x[:, s:e]
 
-    if h0 is not None and len(docs) > 1:
-        parts = [o[:, : docs[1][0]]]
-        for i, (s, e) in enumerate(docs[1:], start=1):
-            parts.append(o[:, s:e] + carry_term(q[:, s:e], piece(g, s, e), h0[i : i + 1]))
-        o = torch.cat(parts, dim=1)
+    if h0 is not None:
+        o = with_carry_terms(
+            o, q, g, [(s, e, h0[i : i + 1]) for i, (s, e) in enumerate(docs[1:], start=1)])
     final = None
     if want_final:
         states = []

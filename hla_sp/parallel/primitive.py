@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hla_sp.ops.chunk import carry_term, segment_summary
+from hla_sp.ops.chunk import segment_summary, with_carry_terms
 from hla_sp.ops.chunk_split import SplitChunks
 from hla_sp.ops.dispatch import backend_for
 from hla_sp.ops.linear_attention import local_primitive
@@ -243,13 +243,9 @@ def _split_outputs(
         first = sg[0]
         h_init = carry_h[j] if first.source == CARRY else call.h0_of(first.source)
         o = _SplitOutputs.apply(qp, kp, vp, gp, h_init, carries, work, ex, call.plan.overlap)
-        if has_h0 and len(sg) > 1:
-            parts = [o[:, : sg[1].begin]]
-            for x in sg[1:]:
-                term = carry_term(qp[:, x.begin : x.end], _part(gp, x.begin, x.end),
-                                  call.h0_of(x.source))
-                parts.append(o[:, x.begin : x.end] + term)
-            o = torch.cat(parts, dim=1)
+        if has_h0:  # the documents starting inside the piece
+            o = with_carry_terms(o, qp, gp, [(x.begin, x.end, call.h0_of(x.source))
+                                             for x in sg[1:]])
         outs.append(o)
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
@@ -315,9 +311,7 @@ def _add_carries(call: _Call, outs: list[Tensor], carry_h: Tensor) -> Tensor:
     """Step 4: the carry's term on the tokens before each piece's first document start."""
     for j, ((qp, _, _, gp), sg) in enumerate(zip(call.views, call.segs)):
         if sg and sg[0].source == CARRY:
-            lead = sg[0].end
-            term = carry_term(qp[:, :lead], _part(gp, 0, lead), carry_h[j])
-            outs[j] = torch.cat([outs[j][:, :lead] + term, outs[j][:, lead:]], dim=1)
+            outs[j] = with_carry_terms(outs[j], qp, gp, [(0, sg[0].end, carry_h[j])])
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
