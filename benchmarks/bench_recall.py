@@ -6,20 +6,25 @@ key is queried once more later, followed by its value; every other token is the 
 0. The label at a query position is the value that follows, -100 elsewhere, so only
 recall from context can beat chance (ln(vocab/2) in loss, 2/vocab in accuracy).
 
-Each mixer is trained in the same small model (d_model 64, 2 layers of pre-norm mixer +
-4x MLP, 2 heads), with fresh samples every step, AdamW (weight decay 0.1), warmup and
-cosine, gradient clipping at 1.0; accuracy is measured on held-out samples along the
-way and at the end. Mixers: softmax (SDPA, learned positions) and the project's layer
-``hla_sp.nn.HLAttention`` with each operator at its defaults, plus the variants studied
-in ``docs/quality.md``.
+The protocol is Zoology's: every mixer gets the same short causal convolution (4 taps,
+SiLU) on q, k and v and no position embeddings, softmax attention included; the
+learning rate is swept; every cell runs over several seeds and stops early once the
+held-out accuracy reaches 0.99. The model: d_model 64 (or ``--d-model``), 2 layers of
+pre-norm mixer + 4x MLP, 2 heads; fresh samples every step, AdamW (weight decay 0.1),
+10% warmup and cosine, gradient clipping at 1.0; the same tokens per step at every size.
 
-    python benchmarks/bench_recall.py                 # the sweep (about 30 min, 2 cores)
-    python benchmarks/bench_recall.py --sizes 64x4 --mixers linear,hla2 --steps 1000
-    python benchmarks/bench_recall.py --sizes 64x4 --mixers all --name recall_study
-    python benchmarks/bench_recall.py --out benchmarks/results   # refresh committed figures
+    python benchmarks/bench_recall.py --sizes 256x16 --mixers softmax,linear,hla2 \\
+        --lrs 1e-3,3e-3,1e-2 --seeds 0,1,2 --steps 3000 --name recall_grid
+    python benchmarks/bench_recall.py --quick          # a smoke run
 
-Writes ``<name>.json`` and ``<name>.png`` (accuracy against steps) under ``--out``
-(default ``runs/bench_recall``, name ``recall``).
+Every finished run is appended to ``<name>.json`` under ``--out`` at once (a stopped
+grid keeps what it finished, and a rerun skips the runs already there), with the
+per-cell summary (mean and spread of accuracy, seeds solved, median steps to 0.9) and
+``<name>.png``: held-out accuracy against the recurrent state per layer, as Zoology
+plots it, beside the training curves. For the layers with a first-order path each run
+also logs the learned mix weights a (``key_mix``) and b (``value_mix``) per layer and
+the size of the mixed-in term relative to the first-order one, |a k~| / |k|, at
+several positions.
 """
 
 from __future__ import annotations
@@ -29,9 +34,10 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -40,35 +46,50 @@ import torch.nn.functional as F
 from torch import nn
 
 from hla_sp.nn import HLAttention
+from hla_sp.nn.conv import ShortConv
+from hla_sp.ops import compositions
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 256
 D_MODEL, LAYERS, HEADS = 64, 2, 2
-EVAL_SAMPLES = 1000
+CONV_TAPS = 4
+EVAL_SAMPLES = 1000  # the final evaluation
+CHECK_SAMPLES = 256  # the evaluations along the way (early stop, steps to 0.9)
+SOLVED, REACHED = 0.99, 0.9
+TOKENS_PER_STEP = 4096
 
-# name -> HLAttention keyword arguments; "softmax" is the SDPA baseline.
-MIXERS: dict[str, dict[str, Any] | None] = {
-    "softmax": None,
+# name -> the mixer's spec. "softmax": SDPA with its own projections; "positions": learned
+# absolute positions; "freeze": layer parameters kept at their initial value; every
+# other key is an HLAttention option.
+MIXERS: dict[str, dict[str, Any]] = {
+    "softmax": {"softmax": True},
+    # Classic softmax for language modelling: learned positions, no convolution.
+    "softmax-pos": {"softmax": True, "positions": True, "short_conv": 0},
     "linear": {"operator": "linear"},
+    # A gated first-order baseline: per-token data-dependent decay (GLA-like).
+    "gated-linear": {"operator": "linear", "decay": "data"},
     "hla2": {"operator": "hla2"},
     "ahla": {"operator": "ahla"},
     "hla3": {"operator": "hla3"},
-    # The studied variants. "-pure": without the first-order path; "-noconv": without the
-    # short convolution; "-pure-noconv" is the layer's default before this study.
+    # The second-order term, studied (docs/quality.md). "-raw": k~ mixed in as it is;
+    # "-mixnorm": k~ scaled to unit norm per token first; "-frozen": a kept at zero.
+    "hla2-raw": {"operator": "hla2", "mix_norm": False},
+    "hla2-mixnorm": {"operator": "hla2", "mix_norm": True},
+    "hla2-frozen": {"operator": "hla2", "mix_norm": False, "freeze": ("key_mix",)},
+    "hla2-data": {"operator": "hla2", "decay": "data"},
+    "hla2-ridge": {"operator": "hla2", "ridge": 1.0},
+    # Earlier variants. "-pure": without the first-order path; "-noconv": without the
+    # short convolution; "-pure-noconv" is the layer's first default.
     "linear-noconv": {"operator": "linear", "short_conv": 0},
     "hla2-noconv": {"operator": "hla2", "short_conv": 0},
     "hla2-pure": {"operator": "hla2", "first_order": False},
     "hla2-pure-noconv": {"operator": "hla2", "first_order": False, "short_conv": 0},
-    "hla2-pure-noconv-no-onorm": {"operator": "hla2", "first_order": False, "short_conv": 0,
-                                  "output_norm": False},
     "ahla-noconv": {"operator": "ahla", "short_conv": 0},
-    "ahla-pure-noconv": {"operator": "ahla", "first_order": False, "short_conv": 0},
     "hla3-noconv": {"operator": "hla3", "short_conv": 0},
-    "hla3-pure-noconv": {"operator": "hla3", "first_order": False, "short_conv": 0},
 }
-DEFAULT_MIXERS = ("softmax", "linear", "hla2", "ahla", "hla3", "hla2-pure-noconv")
-# (T, pairs) -> batch: tokens per step are the same at every size.
-SIZES = {(64, 4): 64, (128, 8): 32, (256, 16): 16}
+DEFAULT_MIXERS = ("softmax", "linear", "gated-linear", "hla2", "ahla", "hla3")
+# The keys of a spec that are not HLAttention options.
+_SPEC_KEYS = ("softmax", "positions", "freeze")
 
 
 def mqar_batch(batch: int, T: int, pairs: int, gen: torch.Generator,
@@ -101,34 +122,49 @@ def mqar_batch(batch: int, T: int, pairs: int, gen: torch.Generator,
 
 
 class SoftmaxMixer(nn.Module):
-    """Causal softmax attention (SDPA) with its own projections: the baseline."""
+    """Causal softmax attention (SDPA) with its own projections and, as every mixer in
+    Zoology's protocol, the layer's short convolution on q, k and v."""
 
-    def __init__(self, d: int, heads: int):
+    def __init__(self, d: int, heads: int, short_conv: int = CONV_TAPS):
         super().__init__()
         self.heads = heads
         self.qkv = nn.Linear(d, 3 * d, bias=False)
         self.o = nn.Linear(d, d, bias=False)
+        self.conv = (ShortConv([("q", d, d, 0), ("k", d, d, 0), ("v", d, d, 0)], short_conv)
+                     if short_conv else None)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
         B, T, d = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.heads, d // self.heads).transpose(1, 3).unbind(2)
+        qkv = self.qkv(x)
+        if self.conv is not None:
+            qkv = self.conv(qkv)[0]
+        q, k, v = qkv.view(B, T, 3, self.heads, d // self.heads).transpose(1, 3).unbind(2)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(o.transpose(1, 2).reshape(B, T, d)), None
 
 
+def layer_options(mixer: str) -> dict[str, Any]:
+    """The HLAttention options of a mixer's spec."""
+    return {k: v for k, v in MIXERS[mixer].items() if k not in _SPEC_KEYS}
+
+
 class RecallLM(nn.Module):
-    """Embedding (+ learned positions for softmax), pre-norm blocks, tied-free LM head."""
+    """Embedding (+ learned positions where the spec asks), pre-norm blocks, LM head."""
 
     def __init__(self, mixer: str, T: int, d: int = D_MODEL, layers: int = LAYERS,
                  heads: int = HEADS, vocab: int = VOCAB):
         super().__init__()
-        kw = MIXERS[mixer]
+        spec = MIXERS[mixer]
         self.emb = nn.Embedding(vocab, d)
-        # Linear mixers are causal recurrences and need no positions; softmax does.
-        self.pos = nn.Embedding(T, d) if kw is None else None
+        self.pos = nn.Embedding(T, d) if spec.get("positions") else None
         self.blocks = nn.ModuleList()
         for _ in range(layers):
-            mix = SoftmaxMixer(d, heads) if kw is None else HLAttention(d, heads, **kw)
+            if spec.get("softmax"):
+                mix = SoftmaxMixer(d, heads, spec.get("short_conv", CONV_TAPS))
+            else:
+                mix = HLAttention(d, heads, **layer_options(mixer))
+                for name in spec.get("freeze", ()):
+                    getattr(mix.heads, name).requires_grad_(False)
             self.blocks.append(nn.ModuleDict(dict(
                 n1=nn.LayerNorm(d), mix=mix, n2=nn.LayerNorm(d),
                 mlp=nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)))))
@@ -146,6 +182,19 @@ class RecallLM(nn.Module):
         return self.head(self.norm(h))
 
 
+def state_per_layer(mixer: str, T: int, d: int = D_MODEL, heads: int = HEADS) -> int:
+    """Floats a layer carries from token to token: the operator's state plus the conv's
+    last W-1 inputs; softmax's KV cache (2 T d) at length T."""
+    spec = MIXERS[mixer]
+    if spec.get("softmax"):
+        taps = spec.get("short_conv", CONV_TAPS)
+        return 2 * T * d + max(taps - 1, 0) * 3 * d
+    layer = HLAttention(d, heads, **layer_options(mixer))
+    st = layer.init_state(1)
+    return sum(t.numel() for t in torch.utils._pytree.tree_leaves(st)
+               if isinstance(t, torch.Tensor))
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
     """(accuracy at the labelled positions, mean loss there)."""
@@ -159,23 +208,67 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float,
     return accs / n, losses / n
 
 
+@torch.no_grad()
+def mix_diagnostics(model: nn.Module, x: torch.Tensor) -> list[dict[str, Any]] | None:
+    """Per layer with a first-order path: the learned a (key_mix) and b (value_mix) per
+    head, and |w h| / |f| (w the weight, h the mixed-in k~ or u as it enters the mix,
+    f the first-order k or v) at positions T/8, T/4, T/2, 3T/4 and T-1, averaged over
+    the batch and heads. None for mixers without the path."""
+    layers = [b["mix"].heads for b in model.blocks if isinstance(b["mix"], HLAttention)]
+    if not any(h.key_mix is not None or h.value_mix is not None for h in layers):
+        return None
+    seen: list[dict[str, torch.Tensor]] = []
+    mix = compositions._mix
+
+    def spy(higher, weight, first, norm=False):
+        if weight is not None:
+            h = compositions.unit_norm(higher) if norm else higher
+            f = first()
+            ratio = (weight[:, None] * h).norm(dim=-1) / f.norm(dim=-1).clamp_min(1e-12)
+            seen.append({"ratio": ratio.mean(dim=(0, 2))})  # [T]
+        return mix(higher, weight, first, norm)
+
+    compositions._mix = spy
+    try:
+        model(x)
+    finally:
+        compositions._mix = mix
+    T = x.shape[1]
+    at = sorted({max(0, T // 8), T // 4, T // 2, 3 * T // 4, T - 1})
+    out, i = [], 0
+    for heads in layers:
+        row: dict[str, Any] = {}
+        for name in ("key_mix", "value_mix"):
+            p = getattr(heads, name)
+            if p is None:
+                continue
+            row[name] = [round(float(w), 4) for w in p]
+            row[f"{name}_ratio"] = {str(t): round(float(seen[i]["ratio"][t]), 4) for t in at}
+            i += 1
+        out.append(row)
+    return out
+
+
 def train(mixer: str, T: int, pairs: int, steps: int, batch: int, lr: float = 3e-3,
-          seed: int = 0, evals: int = 10, threads: int = 1) -> dict[str, Any]:
+          seed: int = 0, d: int = D_MODEL, eval_every: int = 100,
+          early_stop: float | None = SOLVED, threads: int = 1) -> dict[str, Any]:
     """Train one mixer on one size; returns the curve and the final figures."""
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed + 1)
     ex, ey = mqar_batch(EVAL_SAMPLES, T, pairs, torch.Generator().manual_seed(10_000 + T))
-    model = RecallLM(mixer, T)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    probe = mqar_batch(16, T, pairs, torch.Generator().manual_seed(20_000 + T))[0]
+    model = RecallLM(mixer, T, d=d)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
+                            weight_decay=0.1)
     warm = max(1, steps // 10)
 
     def lr_at(s: int) -> float:
         return min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * s / steps))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    every = max(1, steps // evals)
     curve, gnorms, t0 = [], [], time.perf_counter()
+    reached = stopped = None
     for s in range(1, steps + 1):
         x, y = mqar_batch(batch, T, pairs, gen)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100)
@@ -184,43 +277,115 @@ def train(mixer: str, T: int, pairs: int, steps: int, batch: int, lr: float = 3e
         gnorms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
         opt.step()
         sched.step()
-        if s % every == 0 or s == steps:
-            acc, eloss = evaluate(model, ex, ey)
-            curve.append({"step": s, "acc": acc, "loss": eloss, "train_loss": loss.item()})
-    acc, eloss = curve[-1]["acc"], curve[-1]["loss"]
-    return {"mixer": mixer, "T": T, "pairs": pairs, "steps": steps, "batch": batch,
-            "lr": lr, "seed": seed, "acc": acc, "loss": eloss, "curve": curve,
+        if s % eval_every == 0 or s == steps:
+            acc, eloss = evaluate(model, ex[:CHECK_SAMPLES], ey[:CHECK_SAMPLES])
+            curve.append({"step": s, "acc": acc, "loss": eloss, "train_loss": loss.item(),
+                          "mix": mix_diagnostics(model, probe)})
+            if reached is None and acc >= REACHED:
+                reached = s
+            if early_stop is not None and acc >= early_stop:
+                stopped = s
+                break
+    acc, eloss = evaluate(model, ex, ey)
+    return {"mixer": mixer, "options": MIXERS[mixer], "T": T, "pairs": pairs,
+            "d_model": d, "steps": steps, "batch": batch, "lr": lr, "seed": seed,
+            "acc": acc, "loss": eloss, "solved": acc >= SOLVED, "steps_to_0.9": reached,
+            "stopped_at": stopped, "curve": curve,
             "grad_norm_mean": sum(gnorms) / len(gnorms), "grad_norm_max": max(gnorms),
             "seconds": time.perf_counter() - t0,
-            "params": sum(p.numel() for p in model.parameters())}
+            "params": sum(p.numel() for p in model.parameters()),
+            "state_per_layer": state_per_layer(mixer, T, d)}
 
 
-def _job(args: tuple) -> dict[str, Any]:
-    return train(*args)
+def _job(kw: dict[str, Any]) -> dict[str, Any]:
+    return train(**kw)
 
 
-def plot(results: list[dict], path: Path) -> None:
-    """Accuracy against steps, one panel per size."""
+def run_key(r: dict[str, Any]) -> tuple:
+    """What identifies a run: a rerun with the same key is skipped."""
+    return (r["mixer"], r["T"], r["pairs"], r["d_model"], r["steps"], float(r["lr"]),
+            r["seed"])
+
+
+def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per cell (mixer, size, d_model, steps, lr): mean, spread (sample std, min, max)
+    of accuracy, seeds solved, median steps to 0.9 (over the seeds that got there; None
+    when fewer than half did), and whether it is the mixer's best learning rate there."""
+    cells: dict[tuple, list[dict[str, Any]]] = {}
+    for r in results:
+        cells.setdefault(run_key(r)[:-1], []).append(r)
+    out = []
+    for key, runs in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][3], kv[0][0],
+                                                           kv[0][5])):
+        accs = [r["acc"] for r in runs]
+        hits = sorted(r["steps_to_0.9"] for r in runs if r["steps_to_0.9"] is not None)
+        out.append({
+            "mixer": key[0], "T": key[1], "pairs": key[2], "d_model": key[3],
+            "steps": key[4], "lr": key[5], "seeds": len(runs),
+            "acc_mean": statistics.fmean(accs),
+            "acc_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
+            "acc_min": min(accs), "acc_max": max(accs),
+            "solved": sum(r["solved"] for r in runs),
+            "median_steps_to_0.9": statistics.median(hits) if 2 * len(hits) >= len(runs)
+            else None,
+            "state_per_layer": runs[0]["state_per_layer"]})
+    best: dict[tuple, dict[str, Any]] = {}
+    for c in out:
+        k = (c["mixer"], c["T"], c["pairs"], c["d_model"], c["steps"])
+        if k not in best or (c["acc_mean"], c["solved"]) > (best[k]["acc_mean"],
+                                                             best[k]["solved"]):
+            best[k] = c
+    for c in out:
+        c["best_lr"] = best[(c["mixer"], c["T"], c["pairs"], c["d_model"], c["steps"])] is c
+    return out
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    """Per size: held-out accuracy against state per layer (each mixer at its best
+    learning rate, mean and seeds' range), and the training curves."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sizes = sorted({(r["T"], r["pairs"]) for r in results})
-    fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4), squeeze=False)
-    for ax, (T, pairs) in zip(axes[0], sizes):
-        for r in results:
-            if (r["T"], r["pairs"]) == (T, pairs):
-                ax.plot([c["step"] for c in r["curve"]], [c["acc"] for c in r["curve"]],
-                        marker="o", ms=3, label=r["mixer"])
-        ax.axhline(2 / VOCAB, color="grey", lw=0.8, ls=":", label="chance")
-        ax.set(title=f"MQAR T={T}, {pairs} pairs", xlabel="step", ylabel="held-out accuracy",
-               ylim=(0, 1.02))
+    cells = [c for c in summarize(results) if c["best_lr"]]
+    sizes = sorted({(c["T"], c["pairs"], c["d_model"]) for c in cells})
+    fig, axes = plt.subplots(2, len(sizes), figsize=(5.5 * len(sizes), 8.5), squeeze=False)
+    for j, (T, pairs, d) in enumerate(sizes):
+        ax = axes[0][j]
+        for c in cells:
+            if (c["T"], c["pairs"], c["d_model"]) == (T, pairs, d):
+                ax.errorbar(c["state_per_layer"], c["acc_mean"],
+                            yerr=[[c["acc_mean"] - c["acc_min"]], [c["acc_max"] - c["acc_mean"]]],
+                            fmt="o", capsize=3, label=f"{c['mixer']} (lr {c['lr']:g}, "
+                            f"{c['solved']}/{c['seeds']} solved)")
+        ax.set(xscale="log", title=f"MQAR T={T}, {pairs} pairs, d_model {d}",
+               xlabel="state per layer (floats)", ylabel="held-out accuracy", ylim=(0, 1.02))
         ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=8)
+        ax.legend(fontsize=7)
+        ax = axes[1][j]
+        colors: dict[str, Any] = {}
+        for r in results:
+            if (r["T"], r["pairs"], r["d_model"]) == (T, pairs, d):
+                line, = ax.plot([c["step"] for c in r["curve"]], [c["acc"] for c in r["curve"]],
+                                lw=1, color=colors.get(r["mixer"]),
+                                label=None if r["mixer"] in colors else r["mixer"])
+                colors.setdefault(r["mixer"], line.get_color())
+        ax.axhline(2 / VOCAB, color="grey", lw=0.8, ls=":")
+        ax.set(xlabel="step", ylabel="held-out accuracy (256 samples)", ylim=(0, 1.02),
+               title="every run (all learning rates and seeds)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _floats(text: str, flag: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"{flag}: expected a comma list of numbers, got {text!r}") from None
 
 
 def parse_sizes(text: str) -> list[tuple[int, int]]:
@@ -237,14 +402,16 @@ def parse_sizes(text: str) -> list[tuple[int, int]]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="64x4,128x8,256x16", help="TxPAIRS list")
+    ap.add_argument("--sizes", default="256x16", help="TxPAIRS list, e.g. 64x4,256x16")
+    ap.add_argument("--d-model", default="64", help="comma list of model widths")
     ap.add_argument("--mixers", default=",".join(DEFAULT_MIXERS),
                     help=f"comma list of {', '.join(MIXERS)}")
-    ap.add_argument("--steps", type=int, default=1000)
-    ap.add_argument("--batch", type=int, default=None,
-                    help="samples per step (default: 64 at T=64, fixed tokens per step)")
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=3000, help="the schedule's length")
+    ap.add_argument("--lrs", default="3e-3", help="comma list of peak learning rates")
+    ap.add_argument("--seeds", default="0,1,2", help="comma list of seeds")
+    ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--no-early-stop", action="store_true",
+                    help=f"train every run to the end (default: stop at {SOLVED})")
     ap.add_argument("--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)),
                     help="runs in parallel, one thread each")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_recall")
@@ -258,38 +425,57 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"--mixers: unknown mixer {m!r}; choose from {', '.join(MIXERS)}")
     sizes = [(16, 2)] if a.quick else parse_sizes(a.sizes)
     steps = 6 if a.quick else a.steps
+    lrs = _floats(a.lrs, "--lrs")
+    seeds = [int(s) for s in _floats(a.seeds, "--seeds")][: 1 if a.quick else None]
+    widths = [int(w) for w in _floats(a.d_model, "--d-model")]
+    out_json = a.out / f"{a.name}.json"
+    results: list[dict[str, Any]] = []
+    if out_json.exists():
+        results = json.loads(out_json.read_text())["results"]
+    done = {run_key(r) for r in results}
     jobs = []
+    # Seeds outermost: a grid stopped early has every mixer and rate at the first seeds.
     for T, pairs in sizes:
-        batch = a.batch or SIZES.get((T, pairs), max(1, 4096 // T))
-        jobs += [(m, T, pairs, steps, batch, a.lr, a.seed, 2 if a.quick else 10) for m in mixers]
+        for d in widths:
+            for seed in seeds:
+                for m in mixers:
+                    for lr in lrs:
+                        kw = dict(mixer=m, T=T, pairs=pairs, steps=steps,
+                                  batch=max(1, TOKENS_PER_STEP // T), lr=lr, seed=seed, d=d,
+                                  eval_every=2 if a.quick else a.eval_every,
+                                  early_stop=None if a.no_early_stop else SOLVED)
+                        if (m, T, pairs, d, steps, float(lr), seed) not in done:
+                            jobs.append(kw)
+    print(f"{len(jobs)} runs to do, {len(done)} already in {out_json}", flush=True)
     a.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    results: list[dict[str, Any]] = []
 
     def report(r: dict[str, Any]) -> None:
-        """Print a finished run and rewrite the JSON and PNG, so a long sweep that is
+        """Print a finished run and rewrite the JSON and PNG, so a long grid that is
         stopped keeps every run it finished."""
         results.append(r)
-        print(f"T={r['T']:4d} pairs={r['pairs']:3d} {r['mixer']:26s} acc {r['acc']:.3f} "
-              f"loss {r['loss']:.3f}  ({r['seconds']:.0f} s)", flush=True)
-        data = {"task": "MQAR (Zoology)", "vocab": VOCAB, "d_model": D_MODEL,
-                "layers": LAYERS, "heads": HEADS, "eval_samples": EVAL_SAMPLES,
-                "wall_seconds": time.perf_counter() - t0,
+        print(f"T={r['T']:4d} pairs={r['pairs']:3d} d={r['d_model']:3d} {r['mixer']:14s} "
+              f"lr {r['lr']:.0e} seed {r['seed']}: acc {r['acc']:.3f} loss {r['loss']:.3f} "
+              f"to-0.9 {r['steps_to_0.9']} ({r['seconds']:.0f} s)", flush=True)
+        data = {"task": "MQAR (Zoology protocol)", "vocab": VOCAB, "layers": LAYERS,
+                "heads": HEADS, "conv_taps": CONV_TAPS, "eval_samples": EVAL_SAMPLES,
+                "check_samples": CHECK_SAMPLES, "tokens_per_step": TOKENS_PER_STEP,
                 "machine": {"python": sys.version.split()[0], "torch": torch.__version__,
                             "cpu": platform.processor() or platform.machine(),
-                            "jobs": a.jobs},
-                "results": results}
-        (a.out / f"{a.name}.json").write_text(json.dumps(data, indent=1))
+                            "jobs": a.jobs, "threads_per_job": 1},
+                "summary": summarize(results), "results": results}
+        out_json.write_text(json.dumps(data, indent=1))
         plot(results, a.out / f"{a.name}.png")
 
-    if a.jobs > 1:
+    if a.jobs > 1 and len(jobs) > 1:
         with ProcessPoolExecutor(a.jobs) as pool:
-            for r in pool.map(_job, jobs):  # in submission order, each as soon as it is done
-                report(r)
+            for fut in as_completed([pool.submit(_job, j) for j in jobs]):
+                report(fut.result())
     else:
         for j in jobs:
             report(_job(j))
-    print(f"wrote {a.out / (a.name + '.json')} and {a.out / (a.name + '.png')}")
+    print(f"wrote {out_json} and {a.out / (a.name + '.png')} "
+          f"({time.perf_counter() - t0:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ HLA_OPERATORS: tuple[str, ...] = ("hla2", "ahla", "hla3")
 
 # The layer's keyword arguments (HLAHeads / HLAttention), in their order.
 _HEADS_FIELDS = (
-    "operator", "decay", "qk_norm", "output_norm", "first_order", "short_conv", "normalize",
+    "operator", "decay", "qk_norm", "output_norm", "first_order", "mix_norm", "short_conv",
+    "normalize",
     "eps", "ridge", "scale", "chunk_size", "precision",
 )
 
@@ -59,6 +60,12 @@ class HLAConfig:
     """hla2/ahla/hla3: keep a first-order path in the outer stage, k + a k~ (hla2, hla3)
     and v + b u (ahla, hla3), a and b learned per head and zero at the start. It is
     what makes the higher-order operators learn from context (docs/quality.md)."""
+    mix_norm: bool = field(default=False, metadata=_flag(
+        "With the first-order path: scale k~ and u to unit norm per token before a and b "
+        "weigh them, so the higher-order term does not grow with the context."))
+    """With ``first_order``: scale the mixed-in k~ (hla2, hla3) and u (ahla, hla3) to unit
+    L2 norm per token and head. k~ = S q grows with the tokens summed into S, so without
+    it a fixed a weighs the higher-order term more the later the token (docs/quality.md)."""
     short_conv: int = field(default=4, metadata=_flag(
         "Taps of the short causal convolution (with SiLU) on q, k, v before the operator; "
         "0 turns it off."))
@@ -93,7 +100,7 @@ class HLAConfig:
                               ("sp_method", SP_METHODS), ("precision", PRECISIONS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}: expected one of {choices}, got {getattr(self, name)!r}")
-        for name in ("qk_norm", "output_norm", "first_order", "normalize"):
+        for name in ("qk_norm", "output_norm", "first_order", "mix_norm", "normalize"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         for name in ("eps", "ridge"):
@@ -122,8 +129,8 @@ class HLAConfig:
 
     def heads_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``hla_sp.nn.HLAHeads`` / ``HLAttention``:
-        operator, decay, qk_norm, output_norm, first_order, short_conv, normalize, eps,
-        ridge, scale, chunk_size, precision."""
+        operator, decay, qk_norm, output_norm, first_order, mix_norm, short_conv,
+        normalize, eps, ridge, scale, chunk_size, precision."""
         return {name: getattr(self, name) for name in _HEADS_FIELDS}
 
     def replace(self, **changes: Any) -> HLAConfig:

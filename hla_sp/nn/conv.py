@@ -8,12 +8,15 @@ it (docs/quality.md).
 
 Every output is a gather from one buffer, per batch row:
 
-    [ local tokens (T) | gathered tails of every piece (sequence parallelism) |
-      carried-in conv states (N x (W-1)) | a zero row ]
+    [ carried-in conv states (N x (W-1)) | local tokens (T) |
+      gathered tails of every piece (sequence parallelism) | a zero row ]
 
 with a [T, W] index table built once per call from global positions: a tap reads
 the local token if this rank holds it, the halo (:mod:`hla_sp.parallel.halo`) if
 another rank does, the carried state if it lies before the document's start, else zero.
+The states sit just before the tokens so that, for one sequence per row (no documents,
+one process), every tap is a contiguous slice of the buffer: a view, where a gather
+and its scatter-add backward cost most of a small layer's step on CPU.
 The final conv state of each document (its last W-1 inputs) is assembled the same way
 and, under sequence parallelism, summed over ranks (each rank adds the positions it
 holds; rank 0 adds those carried in).
@@ -45,24 +48,34 @@ class _Layout:
                              or [torch.zeros(0, dtype=torch.long)])
 
     def rows(self, src: torch.Tensor, doc: torch.Tensor, T: int, halo_rows: int,
-             has_state: bool, W: int) -> torch.Tensor:
+             W: int) -> torch.Tensor:
         """Buffer rows of global positions ``src`` read for documents ``doc`` (same shape)."""
         starts = torch.tensor(self.starts, dtype=torch.long)
         start = starts[doc]
-        zero = T + halo_rows + len(self.starts) * (W - 1)
-        out = torch.full_like(src, zero)
+        first = len(self.starts) * (W - 1)  # the row of local token 0
+        out = torch.full_like(src, first + T + halo_rows)  # the zero row
         before = src < start
-        if has_state:  # W-1 carried inputs per document, the last one just before its start
-            out = torch.where(before, T + halo_rows + doc * (W - 1) + (W - 1) - (start - src),
-                              out)
+        # W-1 carried inputs per document (zeros without a state), the last one just
+        # before its start.
+        out = torch.where(before, doc * (W - 1) + (W - 1) - (start - src), out)
         todo = ~before
         for s, n, off in self.pieces:
             mine = todo & (src >= s) & (src < s + n)
-            out = torch.where(mine, off + src - s, out)
+            out = torch.where(mine, first + off + src - s, out)
             todo = todo & ~mine
         if self.plan is not None and bool(todo.any()):
-            out = torch.where(todo, T + halo.tail_rows(self.plan, src.clamp(min=0), W - 1), out)
+            out = torch.where(todo, first + T + halo.tail_rows(self.plan, src.clamp(min=0),
+                                                               W - 1), out)
         return out
+
+
+def _read(buf: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """buf [B, R, C] at ``rows`` [T] (host int64): a slice when the rows are consecutive,
+    else a gather."""
+    T = rows.numel()
+    if T and bool((rows == rows[0] + torch.arange(T)).all()):
+        return buf.narrow(1, int(rows[0]), T)
+    return buf.index_select(1, rows.to(buf.device))
 
 
 class ShortConv(nn.Module):
@@ -136,38 +149,41 @@ class ShortConv(nn.Module):
         if state is not None and tuple(state.shape) != (N, W - 1, C):
             raise ValueError(f"initial_state: expected a conv state of shape {(N, W - 1, C)}, "
                              f"got {tuple(state.shape)}")
-        parts = [x]
+        # Carried-in states: per document for packed input (B == 1), per row otherwise.
+        nstates = len(lay.starts) * (W - 1)
+        if state is None:
+            parts = [x.new_zeros(B, nstates, C)]
+        elif bounds is not None:
+            parts = [state.to(x.dtype).reshape(1, nstates, C)]
+        else:
+            parts = [state.to(x.dtype)]  # [B, W-1, C]: row b reads its own
+        parts.append(x)
         if plan is not None:
             gathered = halo.gather_tails(plan, halo.own_tails(plan, x, W - 1))
             # [P, slots, B, W-1, C] -> [B, P * slots * (W-1), C], flattened as tail_index.
             parts.append(gathered.permute(2, 0, 1, 3, 4).reshape(B, -1, C))
         halo_rows = parts[-1].shape[1] if plan is not None else 0
-        # Carried-in states: per document for packed input (B == 1), per row otherwise.
-        nstates = len(lay.starts) * (W - 1)
-        if state is None:
-            parts.append(x.new_zeros(B, nstates, C))
-        elif bounds is not None:
-            parts.append(state.to(x.dtype).reshape(1, nstates, C))
-        else:
-            parts.append(state.to(x.dtype))  # [B, W-1, C]: row b reads its own
         parts.append(x.new_zeros(B, 1, C))
         buf = torch.cat(parts, dim=1)
-        has_state = state is not None
         doc = torch.searchsorted(torch.tensor(lay.starts, dtype=torch.long), lay.pos,
                                  right=True) - 1
         src = lay.pos[:, None] - torch.arange(W)[None, :]  # [T, W]: tap d reads t - d
-        index = lay.rows(src, doc[:, None].expand(-1, W), T, halo_rows, has_state, W)
-        taps = buf.index_select(1, index.reshape(-1).to(x.device)).view(B, T, W, C)
-        y = F.silu(torch.einsum("btwc,cw->btc", taps, self.weight.to(x.dtype)))
+        index = lay.rows(src, doc[:, None].expand(-1, W), T, halo_rows, W)
+        weight = self.weight.to(x.dtype)
+        acc = None
+        for d in range(W):
+            tap = _read(buf, index[:, d])
+            acc = tap * weight[:, d] if acc is None else torch.addcmul(acc, tap, weight[:, d])
+        y = F.silu(acc)
         final = None
         if want_final:
-            final = self._final(buf, lay, W, T, halo_rows, has_state, N, B)
+            final = self._final(buf, lay, W, T, halo_rows, N, B)
         if plan is not None:
             y = exchange.tie(y, plan)
         return y, final
 
     def _final(self, buf: torch.Tensor, lay: _Layout, W: int, T: int, halo_rows: int,
-               has_state: bool, N: int, B: int) -> torch.Tensor:
+               N: int, B: int) -> torch.Tensor:
         """Each document's last W-1 inputs: [N, W-1, C] (packed) or [B, W-1, C]. Under sp
         each rank adds the positions it holds, rank 0 those carried in (or zero), and one
         all-reduce sums them."""
@@ -184,7 +200,7 @@ class ShortConv(nn.Module):
         # A position kept by another rank reads a harmless row here (one before the
         # document's start: its carried state or zero) and is masked out.
         src = torch.where(keep, src, starts - 1)
-        rows = lay.rows(src, doc, T, halo_rows, has_state, W).reshape(-1).to(buf.device)
+        rows = lay.rows(src, doc, T, halo_rows, W).reshape(-1).to(buf.device)
         w = keep.reshape(-1, 1).to(buf.dtype).to(buf.device)
         if n_docs == 1 and N == B:  # one sequence per row
             final = buf.index_select(1, rows) * w

@@ -183,6 +183,7 @@ def grouped_operator(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     key_mix: torch.Tensor | None = None,
     value_mix: torch.Tensor | None = None,
+    mix_norm: bool = False,
     precision: str = "auto",
 ) -> tuple[torch.Tensor, tuple | None]:
     """An HLA operator with grouped keys and values (GQA/MQA), exact.
@@ -195,6 +196,7 @@ def grouped_operator(
             heads and the per-query-head fields (H, eta) over Hq heads.
         key_mix, value_mix: [Hq] weights of the first-order path (see
             :func:`hla_sp.ops.compositions.compose`), or None for the pure operator.
+        mix_norm: unit-normalise the mixed-in k~ and u per token (``compose``).
         Other keywords as in :func:`hla_sp.hla2`.
 
     Returns:
@@ -220,6 +222,7 @@ def grouped_operator(
         sp=sp, chunk_size=chunk_size, output_final_state=output_final_state,
     )
     normalize = validate.check_bool("normalize", normalize)
+    mix_norm = validate.check_bool("mix_norm", mix_norm) and mixed
     ridge = validate.check_nonneg("ridge", ridge)
     eps = validate.check_nonneg("eps", eps)
     precision = resolve(precision, q.dtype, q.device)
@@ -229,7 +232,8 @@ def grouped_operator(
     if sp is not None:
         plan = sp.check_call(x, op=f"{operator}/gqa{G}", options=dict(
             normalize=normalize, ridge=ridge, eps=eps, key_mix=key_mix, value_mix=value_mix,
-            output_final_state=output_final_state, initial_state=s0, precision=precision))
+            mix_norm=mix_norm, output_final_state=output_final_state, initial_state=s0,
+            precision=precision))
     stages = _Stages(G, x.g, cu_seqlens=x.cu_seqlens, want_final=output_final_state,
                      chunk_size=x.chunk_size, sp=sp, plan=plan)
     cdt = stage_dtype(precision, q.dtype)
@@ -241,7 +245,7 @@ def grouped_operator(
         o, final = compose(
             operator, qs, kk, vv, s0, shared=stages.shared, per_head=stages.per_head,
             expand=lambda t: t.repeat_interleave(G, dim=2), normalize=normalize, ridge=ridge,
-            eps=eps, key_mix=key_mix, value_mix=value_mix,
+            eps=eps, key_mix=key_mix, value_mix=value_mix, mix_norm=mix_norm,
         )
     state = ALL_STATE_TYPES[operator](*final) if output_final_state else None
     return o.to(q.dtype), state

@@ -77,6 +77,8 @@ class HLAHeads(nn.Module):
         qk_norm: L2-normalise q and k per head (before the scale).
         output_norm: RMSNorm over each head's output, with a learned gain per channel.
         first_order: the first-order path with learned per-head weights (module docs).
+        mix_norm: with the first-order path, unit-normalise the mixed-in k~ and u per
+            token, so that a and b weigh terms whose size does not grow with t.
         short_conv: taps of the causal depthwise convolution (SiLU) on q, k, v; 0: none.
             With it the state is a :class:`LayerState`.
         normalize, eps, ridge: hla2's options (docs of :func:`hla_sp.hla2`).
@@ -100,6 +102,7 @@ class HLAHeads(nn.Module):
         qk_norm: bool = DEFAULTS.qk_norm,
         output_norm: bool = DEFAULTS.output_norm,
         first_order: bool = DEFAULTS.first_order,
+        mix_norm: bool = DEFAULTS.mix_norm,
         short_conv: int = DEFAULTS.short_conv,
         normalize: bool = DEFAULTS.normalize,
         eps: float = DEFAULTS.eps,
@@ -126,13 +129,14 @@ class HLAHeads(nn.Module):
             operator=validate.check_choice("operator", operator, OPERATORS),  # type: ignore[arg-type]
             decay=validate.check_choice("decay", decay, DECAYS),  # type: ignore[arg-type]
             qk_norm=qk_norm, output_norm=output_norm, first_order=first_order,
-            short_conv=short_conv, normalize=normalize, eps=eps, ridge=ridge, scale=scale,
-            chunk_size=chunk_size,
+            mix_norm=mix_norm, short_conv=short_conv, normalize=normalize, eps=eps,
+            ridge=ridge, scale=scale, chunk_size=chunk_size,
             precision=validate.check_choice("precision", precision, PRECISIONS),  # type: ignore[arg-type]
         )
         c = self.config
         self.operator, self.decay, self.qk_norm = c.operator, c.decay, c.qk_norm
         self.output_norm, self.first_order = c.output_norm, c.first_order
+        self.mix_norm = c.mix_norm
         self.normalize, self.short_conv = c.normalize, c.short_conv
         self.eps, self.ridge, self.chunk_size = float(c.eps), float(c.ridge), c.chunk_size
         self.scale = None if c.scale is None else float(c.scale)
@@ -206,6 +210,7 @@ class HLAHeads(nn.Module):
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"operator={self.operator}, decay={self.decay}, qk_norm={self.qk_norm}, "
                 f"output_norm={self.output_norm}, first_order={self.first_order}, "
+                f"mix_norm={self.mix_norm}, "
                 f"short_conv={self.short_conv}, "
                 f"normalize={self.normalize}, ridge={self.ridge}")
 
@@ -286,7 +291,8 @@ class HLAHeads(nn.Module):
             eps=self.eps, ridge=self.ridge, scale=self.scale, initial_state=op_state,
             output_final_state=output_final_state, cu_seqlens=cu_seqlens, sp=sp,
             chunk_size=self.chunk_size if chunk_size is None else chunk_size,
-            key_mix=mixes[0], value_mix=mixes[1], precision=self.precision,
+            key_mix=mixes[0], value_mix=mixes[1], mix_norm=self.mix_norm,
+            precision=self.precision,
         )
         o = o.to(cdt)
         if self.output_norm:

@@ -24,6 +24,9 @@ from hla_sp.ops.precision import LOW_PRECISION, resolve, stage_dtype
 from hla_sp.ops.sharding import SequenceParallelism
 
 DEFAULT_EPS = 1e-6
+# Added to |x|^2 by the mix norm: below |x| ~ 1e-3 the unit vector fades out linearly
+# instead of amplifying noise (a k~ from one token is |k| |q.k| and can be that small).
+MIX_NORM_EPS = 1e-6
 
 
 class HLA2State(NamedTuple):
@@ -102,6 +105,7 @@ def compose(
     eps: float = DEFAULT_EPS,
     key_mix: torch.Tensor | None = None,
     value_mix: torch.Tensor | None = None,
+    mix_norm: bool = False,
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """The stages of ``operator`` ("hla2" | "ahla" | "hla3"), written once.
 
@@ -115,11 +119,16 @@ def compose(
     is v + b u instead of u (ahla, hla3). The outer stage is linear in its key and
     value, so hla2 becomes LA(q, k, v) + a hla2 and ahla LA(q, k, v) + b ahla at no
     extra stage; hla3 gains all four terms (first order, a hla2, b ahla, ab hla3).
+    With ``mix_norm`` the mixed-in k~ and u are first scaled to unit L2 norm per token
+    and head: k~ = S q grows with the tokens summed into S (a power of t without decay),
+    so a fixed a would weigh the higher-order term more the later the token.
 
     Args:
         qs: scaled queries [B, T, Hq, K]; k: [B, T, Hkv, K]; v: [B, T, Hkv, V] (compute
             dtype). state0: the initial state's fields in the order of the state tuple.
         key_mix, value_mix: per query head weights [Hq] (compute dtype), or None.
+        mix_norm: unit-normalise what ``key_mix``/``value_mix`` weigh (no effect
+            without them).
 
     Returns:
         (o [B, T, Hq, V] in the compute dtype, the final state's fields).
@@ -129,7 +138,7 @@ def compose(
         k_tilde, S = shared(qs, k, k, S0)  # k~_t = S_t q_t
         if ridge:
             k_tilde = k_tilde + ridge * qs
-        k_tilde = _mix(k_tilde, key_mix, lambda: expand(k))
+        k_tilde = _mix(k_tilde, key_mix, lambda: expand(k), mix_norm)
         vq = expand(v)
         V = vq.shape[-1]
         if normalize:
@@ -142,26 +151,37 @@ def compose(
     if operator == "ahla":
         C0, H0 = state0
         u, C = shared(qs, k, v, C0)  # u_t = C_t^T q_t
-        o, Hf = per_head(qs, expand(k), _mix(u, value_mix, lambda: expand(v)), H0)
+        o, Hf = per_head(qs, expand(k), _mix(u, value_mix, lambda: expand(v), mix_norm), H0)
         return o, [C, Hf]
     if operator == "hla3":
         S0, C0, H0 = state0
         k_tilde, S = shared(qs, k, k, S0)
         u, C = shared(qs, k, v, C0)
-        k_tilde = _mix(k_tilde, key_mix, lambda: expand(k))
-        o, Hf = per_head(qs, k_tilde, _mix(u, value_mix, lambda: expand(v)), H0)
+        k_tilde = _mix(k_tilde, key_mix, lambda: expand(k), mix_norm)
+        o, Hf = per_head(qs, k_tilde, _mix(u, value_mix, lambda: expand(v), mix_norm), H0)
         return o, [S, C, Hf]
     raise ValueError(f"operator: expected one of hla2, ahla, hla3, got {operator!r}")
 
 
 def _mix(
-    higher: torch.Tensor, weight: torch.Tensor | None, first: Callable[[], torch.Tensor]
+    higher: torch.Tensor, weight: torch.Tensor | None, first: Callable[[], torch.Tensor],
+    norm: bool = False,
 ) -> torch.Tensor:
     """first() + weight * higher per query head ([B, T, Hq, D], weight [Hq]); higher alone
-    without a weight (``first`` is only built when used: under GQA it is an expansion)."""
+    without a weight (``first`` is only built when used: under GQA it is an expansion).
+    With ``norm``, higher is first scaled to unit L2 norm per token and head."""
     if weight is None:
         return higher
+    if norm:
+        higher = unit_norm(higher)
     return torch.addcmul(first(), weight[:, None].to(higher.dtype), higher)
+
+
+def unit_norm(x: torch.Tensor) -> torch.Tensor:
+    """x / sqrt(|x|^2 + MIX_NORM_EPS) over the last dim; 16-bit x is normalised in fp32
+    and rounded once."""
+    xf = x.float() if x.dtype in LOW_PRECISION else x
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + MIX_NORM_EPS)).to(x.dtype)
 
 
 STATE_TYPES: dict[str, type] = {"hla2": HLA2State, "ahla": AHLAState, "hla3": HLA3State}
