@@ -57,13 +57,16 @@ EVAL_SAMPLES = 1000  # the final evaluation
 CHECK_SAMPLES = 256  # the evaluations along the way (early stop, steps to 0.9)
 SOLVED, REACHED = 0.99, 0.9
 TOKENS_PER_STEP = 4096
+SWEEP_SIZE = (256, 16)  # where the learning rate is swept; --lrs best reuses it elsewhere
 
-# name -> the mixer's spec. "softmax": SDPA with its own projections; "positions": learned
-# absolute positions; "freeze": layer parameters kept at their initial value; every
-# other key is an HLAttention option.
+# name -> the mixer's spec. "softmax": SDPA with its own projections ("rope": rotary
+# positions on its q, k); "positions": learned absolute positions; "freeze": layer
+# parameters kept at their initial value; every other key is an HLAttention option.
 MIXERS: dict[str, dict[str, Any]] = {
     "softmax": {"softmax": True},
-    # Classic softmax for language modelling: learned positions, no convolution.
+    # Classic softmax for language modelling: rotary positions, no convolution.
+    "softmax-rope": {"softmax": True, "rope": True, "short_conv": 0},
+    # The earlier baseline: learned absolute positions, no convolution.
     "softmax-pos": {"softmax": True, "positions": True, "short_conv": 0},
     "linear": {"operator": "linear"},
     # A gated first-order baseline: per-token data-dependent decay (GLA-like).
@@ -89,7 +92,7 @@ MIXERS: dict[str, dict[str, Any]] = {
 }
 DEFAULT_MIXERS = ("softmax", "linear", "gated-linear", "hla2", "ahla", "hla3")
 # The keys of a spec that are not HLAttention options.
-_SPEC_KEYS = ("softmax", "positions", "freeze")
+_SPEC_KEYS = ("softmax", "positions", "freeze", "rope")
 
 
 def mqar_batch(batch: int, T: int, pairs: int, gen: torch.Generator,
@@ -121,13 +124,25 @@ def mqar_batch(batch: int, T: int, pairs: int, gen: torch.Generator,
     return seq[:, :T], labels
 
 
+def rotary(x: torch.Tensor, base: float = 10_000.0) -> torch.Tensor:
+    """Rotary position embedding of x [B, H, T, D] (D even): pairs (i, i + D/2) rotated
+    by t * base^(-2i/D). Relative positions only, so it runs at any length."""
+    D, T = x.shape[-1], x.shape[-2]
+    inv = base ** (-torch.arange(0, D // 2, dtype=torch.float32, device=x.device) * 2 / D)
+    ang = torch.arange(T, dtype=torch.float32, device=x.device)[:, None] * inv  # [T, D/2]
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    a, b = x[..., : D // 2], x[..., D // 2 :]
+    return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+
+
 class SoftmaxMixer(nn.Module):
     """Causal softmax attention (SDPA) with its own projections and, as every mixer in
-    Zoology's protocol, the layer's short convolution on q, k and v."""
+    Zoology's protocol, the layer's short convolution on q, k and v (``short_conv`` 0:
+    none); ``rope``: rotary positions on q and k."""
 
-    def __init__(self, d: int, heads: int, short_conv: int = CONV_TAPS):
+    def __init__(self, d: int, heads: int, short_conv: int = CONV_TAPS, rope: bool = False):
         super().__init__()
-        self.heads = heads
+        self.heads, self.rope = heads, rope
         self.qkv = nn.Linear(d, 3 * d, bias=False)
         self.o = nn.Linear(d, d, bias=False)
         self.conv = (ShortConv([("q", d, d, 0), ("k", d, d, 0), ("v", d, d, 0)], short_conv)
@@ -139,6 +154,8 @@ class SoftmaxMixer(nn.Module):
         if self.conv is not None:
             qkv = self.conv(qkv)[0]
         q, k, v = qkv.view(B, T, 3, self.heads, d // self.heads).transpose(1, 3).unbind(2)
+        if self.rope:
+            q, k = rotary(q), rotary(k)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(o.transpose(1, 2).reshape(B, T, d)), None
 
@@ -160,7 +177,8 @@ class RecallLM(nn.Module):
         self.blocks = nn.ModuleList()
         for _ in range(layers):
             if spec.get("softmax"):
-                mix = SoftmaxMixer(d, heads, spec.get("short_conv", CONV_TAPS))
+                mix = SoftmaxMixer(d, heads, spec.get("short_conv", CONV_TAPS),
+                                   spec.get("rope", False))
             else:
                 mix = HLAttention(d, heads, **layer_options(mixer))
                 for name in spec.get("freeze", ()):
@@ -381,6 +399,22 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def markdown(results: list[dict[str, Any]]) -> str:
+    """The per-cell summary as a markdown table (docs/quality.md quotes it)."""
+    lines = ["| size (T, pairs) | d_model | mixer | lr | seeds | accuracy mean ± std "
+             "[min, max] | solved | median steps to 0.9 | state per layer |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for c in summarize(results):
+        med = c["median_steps_to_0.9"]
+        lines.append(
+            f"| ({c['T']}, {c['pairs']}) | {c['d_model']} | {c['mixer']} | {c['lr']:g}"
+            f"{' (best)' if c['best_lr'] else ''} | {c['seeds']} | {c['acc_mean']:.3f} ± "
+            f"{c['acc_std']:.3f} [{c['acc_min']:.3f}, {c['acc_max']:.3f}] | "
+            f"{c['solved']}/{c['seeds']} | {'-' if med is None else f'{med:g}'} | "
+            f"{c['state_per_layer']:,} |")
+    return "\n".join(lines)
+
+
 def _floats(text: str, flag: str) -> list[float]:
     try:
         return [float(x) for x in text.split(",") if x.strip()]
@@ -407,7 +441,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mixers", default=",".join(DEFAULT_MIXERS),
                     help=f"comma list of {', '.join(MIXERS)}")
     ap.add_argument("--steps", type=int, default=3000, help="the schedule's length")
-    ap.add_argument("--lrs", default="3e-3", help="comma list of peak learning rates")
+    ap.add_argument("--lrs", default="3e-3",
+                    help="comma list of peak learning rates, or 'best': per mixer, its best "
+                    f"rate at the sweep's size {SWEEP_SIZE} (d_model {D_MODEL}) in <name>.json")
     ap.add_argument("--seeds", default="0,1,2", help="comma list of seeds")
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--no-early-stop", action="store_true",
@@ -417,7 +453,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_recall")
     ap.add_argument("--name", default="recall", help="stem of the JSON and PNG files")
     ap.add_argument("--quick", action="store_true", help="a smoke run: T=16, 2 pairs, 6 steps")
+    ap.add_argument("--table", action="store_true",
+                    help="print the summary of <out>/<name>.json as markdown; train nothing")
     a = ap.parse_args(argv)
+    if a.table:
+        print(markdown(json.loads((a.out / f"{a.name}.json").read_text())["results"]))
+        return
     mixers = list(MIXERS) if a.mixers == "all" else [
         m.strip() for m in a.mixers.split(",") if m.strip()]
     for m in mixers:
@@ -425,7 +466,6 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"--mixers: unknown mixer {m!r}; choose from {', '.join(MIXERS)}")
     sizes = [(16, 2)] if a.quick else parse_sizes(a.sizes)
     steps = 6 if a.quick else a.steps
-    lrs = _floats(a.lrs, "--lrs")
     seeds = [int(s) for s in _floats(a.seeds, "--seeds")][: 1 if a.quick else None]
     widths = [int(w) for w in _floats(a.d_model, "--d-model")]
     out_json = a.out / f"{a.name}.json"
@@ -433,13 +473,23 @@ def main(argv: list[str] | None = None) -> None:
     if out_json.exists():
         results = json.loads(out_json.read_text())["results"]
     done = {run_key(r) for r in results}
+    if a.lrs == "best":
+        best = {c["mixer"]: c["lr"] for c in summarize(results) if c["best_lr"] and
+                (c["T"], c["pairs"], c["d_model"]) == (*SWEEP_SIZE, D_MODEL)}
+        missing = [m for m in mixers if m not in best]
+        if missing:
+            raise SystemExit(f"--lrs best: no sweep at {SWEEP_SIZE}, d_model {D_MODEL} in "
+                             f"{out_json} for {', '.join(missing)}; run it first")
+        lrs_of = {m: [best[m]] for m in mixers}
+    else:
+        lrs_of = dict.fromkeys(mixers, _floats(a.lrs, "--lrs"))
     jobs = []
     # Seeds outermost: a grid stopped early has every mixer and rate at the first seeds.
     for T, pairs in sizes:
         for d in widths:
             for seed in seeds:
                 for m in mixers:
-                    for lr in lrs:
+                    for lr in lrs_of[m]:
                         kw = dict(mixer=m, T=T, pairs=pairs, steps=steps,
                                   batch=max(1, TOKENS_PER_STEP // T), lr=lr, seed=seed, d=d,
                                   eval_every=2 if a.quick else a.eval_every,

@@ -106,6 +106,48 @@ def test_first_order_path_is_the_sum_of_the_operators(op):
     torch.testing.assert_close(st.H, H_ref, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("op", ["hla2", "ahla", "hla3"])
+def test_mix_norm_is_the_composition_with_unit_intermediates(op):
+    """mix_norm: the outer stage reads k + a k~/|k~| and v + b u/|u| (eps inside the
+    root), k~ and u from the public first-order operator; outputs, every gradient and
+    the final H against that composition written out, fp64 to 1e-10, under GQA."""
+    from hla_sp import linear_attention
+
+    q, k, v, a = _inputs(Hq=4, Hkv=2, K=5, V=5)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, a)]
+    wk = torch.tensor([0.7, -1.3, 0.2, 2.0], dtype=F64, requires_grad=True)
+    wv = torch.tensor([-0.4, 0.9, 1.1, -2.2], dtype=F64, requires_grad=True)
+    key_mix = wk if op in ("hla2", "hla3") else None
+    value_mix = wv if op in ("ahla", "hla3") else None
+    o, st = grouped_operator(op, *leaves[:3], log_decay=leaves[3], key_mix=key_mix,
+                             value_mix=value_mix, mix_norm=True, output_final_state=True,
+                             chunk_size=8)
+
+    def unit(x):
+        return x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+
+    qr, kr, vr, ar = [t.detach().clone().requires_grad_(True) for t in leaves]
+    G = 2
+    rep = lambda t: t.repeat_interleave(G, dim=2)  # noqa: E731
+    ag = rep(ar)
+    kt, _ = linear_attention(qr, rep(kr), rep(kr), log_decay=ag)
+    u, _ = linear_attention(qr, rep(kr), rep(vr), log_decay=ag)
+    key, val = rep(kr), rep(vr)
+    if key_mix is not None:
+        key = key + wk[:, None] * unit(kt)
+    if value_mix is not None:
+        val = val + wv[:, None] * unit(u)
+    ref, h = linear_attention(qr, key, val, log_decay=ag, output_final_state=True)
+    torch.testing.assert_close(o, ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(st.H, h, rtol=1e-10, atol=1e-10)
+    w = torch.randn_like(o)
+    mixes = [p for p in (key_mix, value_mix) if p is not None]
+    got = torch.autograd.grad((o * w).sum(), [*leaves, *mixes])
+    want = torch.autograd.grad((ref * w).sum(), [qr, kr, vr, ar, *mixes])
+    for name, g1, g2 in zip(["q", "k", "v", "decay", "mix", "mix"], got, want):
+        torch.testing.assert_close(g1, g2, rtol=1e-10, atol=1e-10, msg=name)
+
+
 def test_first_order_path_starts_first_order():
     """At initialisation the HLA layers compute exactly the linear layer (weights zero),
     and the weights get gradients, so the higher-order terms can grow."""
