@@ -85,15 +85,24 @@ demo-recall: $(STAMP)
 	    --lr 3e-3 --lr-warmup-iters 50 --eval-interval 50 --eval-iters 2 --log-interval 50 \
 	    --log-jsonl runs/demo-recall/metrics.jsonl
 
-# Does the layer learn from context? MQAR for every mixer (about 30 min), then the
-# variants of the study (about 20 min), then byte-level language modelling (about 15 min).
+# Does the layer learn from context? MQAR under Zoology's protocol (docs/quality.md), in
+# parts that each resume where a stopped run left off: the learning-rate sweep at
+# (256, 16), then every size at each mixer's best rate, then (512, 64) at d_model 128.
+# CPU hours: about 20 min per run at (256, 16) on one core; the whole grid is a few
+# hundred runs (a multi-session job on 2 cores), so run the part you need.
+RECALL_MIXERS ?= softmax,linear,gated-linear,hla2,ahla,hla3
+RECALL_OUT    ?= benchmarks/results
 bench-recall: $(STAMP)
-	$(PY) benchmarks/bench_recall.py --out benchmarks/results
-	$(PY) benchmarks/bench_recall.py --sizes 64x4 --mixers all --name recall_study --out benchmarks/results
-	$(PY) benchmarks/diagnose_recall.py --out benchmarks/results
+	$(PY) benchmarks/bench_recall.py --sizes 256x16 --mixers $(RECALL_MIXERS) \
+	    --lrs 1e-3,3e-3,1e-2 --seeds 0,1,2 --name recall_grid --out $(RECALL_OUT)
+	$(PY) benchmarks/bench_recall.py --sizes 64x4,128x8,256x16 --mixers $(RECALL_MIXERS) \
+	    --lrs best --seeds 0,1,2 --name recall_grid --out $(RECALL_OUT)
+	$(PY) benchmarks/bench_recall.py --sizes 512x64 --d-model 128 --mixers $(RECALL_MIXERS) \
+	    --lrs best --seeds 0,1,2 --name recall_grid --out $(RECALL_OUT)
 
+# Byte-level language modelling, 3 seeds per mixer (about 15 min per run on one core).
 bench-lm: $(STAMP)
-	$(PY) benchmarks/bench_lm.py --out benchmarks/results
+	$(PY) benchmarks/bench_lm.py --seeds 0,1,2 --out benchmarks/results
 
 bench-sp: $(STAMP)
 	for b in traffic overhead memory million; do $(PY) benchmarks/bench_sp_$$b.py || exit 1; done
