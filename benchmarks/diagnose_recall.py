@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     mixers = [m for m in a.mixers.split(",") if m]
     for m in mixers:
-        if m not in MIXERS or MIXERS[m] is None:
+        if m not in MIXERS or MIXERS[m].get("softmax"):
             raise SystemExit(f"--mixers: expected layer mixers of bench_recall, got {m!r}")
     tokens, labels = mqar_batch(64, 64, 4, torch.Generator().manual_seed(0))
     res: dict[str, Any] = {}

@@ -111,6 +111,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     if cfg.load is not None:
         _check_load(cfg)
     _check_intervals(cfg)
+    _check_loggers(cfg)
 
 
 def _check_world_size(world_size: int) -> None:
@@ -188,9 +189,23 @@ def _check_precision_and_device(cfg: TrainConfig) -> None:
         )
 
 
+# Above this many positions a learned table (positions x hidden parameters, trained from
+# one sample per position per step) outweighs what it buys: RoPE, or no positions with
+# HLA's decay, cost nothing per position. 65,536 x 2048 is already 134 M parameters.
+MAX_LEARNED_POSITIONS = 65536
+
+
 def _check_position_table(cfg: TrainConfig) -> None:
     if cfg.position_embedding_type == "learned_absolute":
         mpe = cfg.max_position_embeddings or cfg.seq_length
+        if max(mpe, cfg.seq_length) > MAX_LEARNED_POSITIONS:
+            n = mpe * cfg.hidden_size
+            raise ConfigError(
+                f"--position-embedding-type learned_absolute at --seq-length "
+                f"{cfg.seq_length:,}: the position table would be {mpe:,} x {cfg.hidden_size} "
+                f"= {n / 1e9:.2f} B parameters; above {MAX_LEARNED_POSITIONS:,} positions use "
+                f"--position-embedding-type rope (CUDA) or none (HLA's decay orders tokens)."
+            )
         if mpe < cfg.seq_length:
             raise ConfigError(
                 f"--max-position-embeddings {mpe} < --seq-length {cfg.seq_length}; raise it, "
@@ -237,9 +252,13 @@ def _check_data(cfg: TrainConfig) -> None:
     if cfg.data_path:
         if cfg.data != "text":
             raise ConfigError("--data-path goes with --data text; drop one of them.")
-        from hla_sp.launch.data import DatasetError, check_indexed_dataset
+        from hla_sp.launch.data import DatasetError, check_indexed_dataset, parse_data_path
 
-        for prefix in cfg.data_path:
+        try:  # Megatron's weighted form, 0.5 A 0.5 B, names the prefixes A and B
+            prefixes = parse_data_path(cfg.data_path)[0]
+        except DatasetError as e:
+            raise ConfigError(str(e)) from None
+        for prefix in prefixes:
             for ext in (".bin", ".idx"):
                 if not os.path.isfile(prefix + ext):
                     raise ConfigError(
@@ -267,6 +286,26 @@ def _check_intervals(cfg: TrainConfig) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     if cfg.distributed_timeout_minutes <= 0:
         raise ConfigError("--distributed-timeout-minutes must be > 0")
+
+
+def _check_loggers(cfg: TrainConfig) -> None:
+    """--tensorboard-dir and --wandb-project need their packages; say which to install."""
+    from hla_sp.launch.extras import installed
+
+    if cfg.tensorboard_dir and not installed("tensorboard"):
+        raise ConfigError(
+            f"--tensorboard-dir {cfg.tensorboard_dir}: TensorBoard's writer needs the "
+            f'tensorboard package, which is not installed: pip install "hla-sp[tensorboard]"'
+        )
+    if cfg.wandb_project and not installed("wandb"):
+        raise ConfigError(
+            f"--wandb-project {cfg.wandb_project}: needs the wandb package, which is not "
+            f"installed: pip install wandb (then wandb login, or WANDB_MODE=offline)"
+        )
+    if cfg.wandb_exp_name and not cfg.wandb_project:
+        raise ConfigError(
+            f"--wandb-exp-name {cfg.wandb_exp_name}: goes with --wandb-project NAME, got none"
+        )
 
 
 def split_weights(split: str) -> tuple[float, float, float]:

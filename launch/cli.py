@@ -13,19 +13,21 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 
-from hla_sp.launch.config import ConfigError, build_parser, parse_args, validate
+from hla_sp.launch.config import ConfigError, TrainConfig, build_parser, parse_args, validate
 from hla_sp.launch.extras import require
 from hla_sp.launch.local import MALLOC_MMAP_THRESHOLD
 
 
 def torchrun_command(launch: argparse.Namespace, trainer_argv: list[str]) -> list[str]:
-    """The torchrun command line ``hla-sp train`` runs."""
+    """The torchrun command line ``hla-sp train`` runs (torch.distributed.run through
+    :mod:`hla_sp.launch.torchrun`, which exits in one line on a signal)."""
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "hla_sp.launch.torchrun",
         "--nproc-per-node",
         str(launch.nproc_per_node),
     ]
@@ -66,15 +68,26 @@ def _check_launch(launch: argparse.Namespace) -> int:
 
 
 def _launcher_flags(ap: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """The flags ``hla-sp train`` keeps for torchrun; the rest go to the trainer."""
-    ap.add_argument("--nproc-per-node", type=int, default=1, help="Processes on this node.")
-    ap.add_argument("--nnodes", default="1", help="Nodes (or MIN:MAX), as torchrun takes it.")
-    ap.add_argument("--node-rank", type=int, default=None, help="This node's rank (optional).")
-    ap.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the rendezvous (multi-node).")
-    ap.add_argument("--rdzv-backend", default="c10d", help="torchrun rendezvous backend.")
-    ap.add_argument("--rdzv-id", default="hla-sp", help="Job id shared by all nodes.")
-    ap.add_argument("--max-restarts", type=int, default=0, help="torchrun worker-group restarts.")
-    ap.add_argument("--dry-run", action="store_true", help="Print the torchrun command only.")
+    """The flags ``hla-sp train`` keeps for torchrun; the rest go to the trainer. Each
+    also takes torchrun's underscore spelling (--nproc_per_node)."""
+
+    def add(flag: str, **kw: object) -> None:
+        under = "--" + flag[2:].replace("-", "_")
+        ap.add_argument(flag, *([under] if under != flag else []), **kw)  # type: ignore[arg-type]
+
+    add("--nproc-per-node", type=int, default=1, help="Processes on this node.")
+    add("--nnodes", default="1", help="Nodes (or MIN:MAX), as torchrun takes it.")
+    add("--node-rank", type=int, default=None, help="This node's rank (optional).")
+    add("--rdzv-endpoint", default="", help="HOST:PORT of the rendezvous (multi-node).")
+    add("--rdzv-backend", default="c10d", help="torchrun rendezvous backend.")
+    add("--rdzv-id", default="hla-sp", help="Job id shared by all nodes.")
+    add("--max-restarts", type=int, default=0, help="torchrun worker-group restarts.")
+    add("--standalone", action="store_true",
+        help="Accepted for torchrun's sake: one node without --rdzv-endpoint is standalone.")
+    add("--dry-run", action="store_true",
+        help="Check the flags, print the parameter count, the memory per rank (from the "
+             "memory model of docs/launch.md) and the model TFLOP per step, then the "
+             "torchrun command; start nothing.")
 
 
 def train_help() -> str:
@@ -89,6 +102,19 @@ def train_help() -> str:
     return p.format_help()
 
 
+def _vocab(cfg: TrainConfig) -> int | None:
+    """The vocabulary the trainer will use (--vocab-size, else read from --data-path as
+    the trainer does), None where it cannot be read here."""
+    if cfg.vocab_size or not cfg.data_path:
+        return cfg.vocab_size
+    try:
+        from hla_sp.launch.data import infer_vocab_size
+
+        return infer_vocab_size(cfg.data, cfg.data_path)
+    except Exception:  # the estimate falls back to the byte vocabulary
+        return None
+
+
 def _train(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
         print(train_help())
@@ -101,17 +127,29 @@ def _train(argv: list[str]) -> int:
     try:
         require("megatron", "hla-sp train")  # one line here, not a traceback per rank
         nnodes = _check_launch(launch)
-        validate(parse_args(rest), launch.nproc_per_node * nnodes)
+        cfg = parse_args(rest, prog="hla-sp train")
+        validate(cfg, launch.nproc_per_node * nnodes)
         cmd = torchrun_command(launch, rest)
     except ConfigError as e:
         print(f"hla-sp train: error: {e}", file=sys.stderr)
         return 2
     if launch.dry_run:
+        from hla_sp.launch.estimate import device_memory_bytes, summary
+
+        for line in summary(cfg, launch.nproc_per_node * nnodes, vocab=_vocab(cfg),
+                            device=device_memory_bytes(launch.nproc_per_node)):
+            print(line)
         print(" ".join(cmd))
         return 0
     sys.stdout.flush()
     # see hla_sp.launch.local: keeps CPU memory from creeping up (the workers inherit it)
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", MALLOC_MMAP_THRESHOLD)
+    # the resume line after a signal quotes the user's own command
+    from hla_sp.launch.signals import COMMAND_ENV
+
+    os.environ[COMMAND_ENV] = shlex.join(["hla-sp", "train", *argv])
+    if cfg.exit_signal_handler:  # torchrun's wait for its workers before SIGKILL (30 s)
+        os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")
     os.execv(cmd[0], cmd)
     return 0  # not reached
 

@@ -67,6 +67,13 @@ def progress_line(rec: dict[str, Any], train_iters: int) -> str:
         extra += f" | recall acc {rec['val_recall_acc']:.3f}"
     if "loss_scale" in rec:
         extra += f" | loss scale {rec['loss_scale']:.3g}" + (" (skipped)" if rec["skipped"] else "")
+    if "tflops_per_s" in rec:
+        ranks = max(len(rec["peak_mem_bytes_per_rank"]), 1)
+        extra += f" | {rec['tflops_per_s'] / ranks:.3g} TFLOP/s per rank"
+    if "consumed_tokens" in rec:
+        extra += f" | {count(rec['consumed_tokens'])} tokens"
+    if "elapsed_s" in rec:
+        extra += f" | elapsed {duration(rec['elapsed_s'])}, ETA {duration(rec['eta_s'])}"
     return (
         f"iter {rec['iteration']:>5}/{train_iters} | loss {rec['loss']:.4f} | "
         f"lr {rec['lr']:.2e} | grad-norm {rec['grad_norm']:.3f} | "
@@ -74,6 +81,24 @@ def progress_line(rec: dict[str, Any], train_iters: int) -> str:
         f"peak mem {gib(rec['peak_mem_bytes'])} "
         f"(max of {len(rec['peak_mem_bytes_per_rank'])} ranks){extra}"
     )
+
+
+def count(n: float) -> str:
+    """1234 -> 1.23k, 4.5e6 -> 4.50M (tokens on the progress line)."""
+    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def duration(seconds: float) -> str:
+    """Seconds as 42s, 3m05s or 2h07m."""
+    s = max(round(seconds), 0)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def start_marker(
@@ -133,6 +158,75 @@ def plot_run(jsonl: str) -> str:
     fig.savefig(png, dpi=110)
     plt.close(fig)
     return f"plot: {os.path.abspath(png)} (loss and tokens/s against iteration)"
+
+
+class LivePlot:
+    """The run's plot (:func:`plot_run`), redrawn while the run goes so that it exists
+    before the end; at most every ``min_interval_s`` seconds, as drawing costs a
+    fraction of a second. A failure to draw never stops training."""
+
+    def __init__(self, jsonl: str | None, min_interval_s: float = 10.0):
+        self.jsonl, self.min_interval_s = jsonl, min_interval_s
+        self._last = -float("inf")
+
+    def draw(self) -> None:
+        if not self.jsonl or time.monotonic() - self._last < self.min_interval_s:
+            return
+        self._last = time.monotonic()
+        try:
+            plot_run(self.jsonl)
+        except Exception as e:  # a plot is a convenience: say why, keep training
+            say(f"plot: not drawn ({type(e).__name__}: {e})")
+            self.jsonl = None
+
+
+# record key -> scalar name, as TensorBoard and W&B show them (grouped by prefix)
+SCALARS = {
+    "loss": "train/loss", "val_loss": "val/loss", "val_recall_acc": "val/recall_acc",
+    "lr": "train/lr", "grad_norm": "train/grad_norm", "loss_scale": "train/loss_scale",
+    "tokens_per_s": "perf/tokens_per_s", "tflops_per_s": "perf/tflops_per_s",
+    "step_time_s": "perf/step_time_s", "peak_mem_bytes": "perf/peak_mem_bytes",
+    "consumed_tokens": "train/consumed_tokens",
+}
+
+
+class Scalars:
+    """--tensorboard-dir (TensorBoard's own SummaryWriter) and --wandb-project: the
+    iteration records as scalars, on rank 0 (``cfg`` None elsewhere: does nothing)."""
+
+    def __init__(self, cfg: Any | None):
+        self._tb: Any = None
+        self._wandb: Any = None
+        if cfg is None:
+            return
+        if cfg.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=cfg.tensorboard_dir)
+            self._tb.add_text("config", "```\n" + json.dumps(cfg.to_dict(), indent=1) + "\n```")
+        if cfg.wandb_project:
+            import wandb
+
+            self._wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_exp_name,
+                                     config=cfg.to_dict())
+
+    def write(self, rec: dict[str, Any]) -> None:
+        values = {name: float(rec[k]) for k, name in SCALARS.items()
+                  if k in rec and rec[k] is not None}
+        step = int(rec["iteration"])
+        if self._tb is not None:
+            for name, v in values.items():
+                self._tb.add_scalar(name, v, step)
+        if self._wandb is not None:
+            self._wandb.log(values, step=step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
 
 class JsonlLog:

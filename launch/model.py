@@ -1,8 +1,11 @@
 """Build the megatron-core GPT the trainer trains: HLA core attention, CPU-friendly options.
 
 Choices forced by CPU runs, harmless on GPU:
-- ``use_cpu_initialization=True``: weights are created whole on the CPU and split for
-  tensor parallelism, so the same seed gives the same model at every TP/CP size;
+- on CPU, ``use_cpu_initialization=True``: weights are created whole on the CPU and
+  split for tensor parallelism, so the same seed gives the same model at every TP/CP
+  size. On CUDA each rank creates only its own shard, on its GPU (Megatron's GPU
+  initialisation, seeded per TP rank by its RNG tracker), so a large model never passes
+  through host memory, on any of the ranks of a node;
 - activation recompute uses ``torch.utils.checkpoint`` (non-reentrant, RNG preserved)
   instead of Megatron's own, whose RNG tracker needs CUDA.
 """
@@ -47,8 +50,9 @@ def model_dtype(cfg: TrainConfig) -> torch.dtype:
     return torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32
 
 
-def transformer_config(cfg: TrainConfig) -> Any:
-    """megatron-core's TransformerConfig for this run."""
+def transformer_config(cfg: TrainConfig, device: torch.device | None = None) -> Any:
+    """megatron-core's TransformerConfig for this run (weights initialised on ``device``
+    when it is a CUDA device, else on the CPU)."""
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
@@ -62,7 +66,7 @@ def transformer_config(cfg: TrainConfig) -> Any:
         init_method_std=cfg.init_method_std,
         tensor_model_parallel_size=cfg.tensor_model_parallel_size,
         context_parallel_size=cfg.context_parallel_size,
-        use_cpu_initialization=True,
+        use_cpu_initialization=device is None or device.type != "cuda",
         # --bf16/--fp16: the model's own weights are half; the trainer keeps fp32 masters
         params_dtype=model_dtype(cfg),
         bf16=cfg.bf16,
@@ -119,12 +123,34 @@ def apply_recompute(model: torch.nn.Module, granularity: str | None) -> int:
     return wrapped
 
 
-def build_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
-    """The GPTModel (pre/post process on: no pipeline parallelism), recompute applied."""
+def build_model(
+    cfg: TrainConfig, vocab_size: int, device: torch.device | None = None
+) -> torch.nn.Module:
+    """The GPTModel (pre/post process on: no pipeline parallelism), recompute applied;
+    on a CUDA ``device`` every weight is created there, not on the host."""
+    import contextlib
+
     from megatron.core.models.gpt import GPTModel
 
-    model = GPTModel(
-        config=transformer_config(cfg),
+    on_gpu = device is not None and device.type == "cuda"
+    if on_gpu:
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        # Megatron's GPU initialisation draws from this tracker (one stream per TP rank)
+        model_parallel_cuda_manual_seed(cfg.seed)
+    # the default device catches what Megatron does not place itself (the position
+    # table, HLA's own parameters)
+    with torch.device(device) if on_gpu else contextlib.nullcontext():
+        model = _gpt(GPTModel, cfg, vocab_size, device)
+    granularity = cfg.recompute_granularity or ("selective" if cfg.recompute_activations else None)
+    apply_recompute(model, granularity)
+    _check_attention(cfg, model)
+    return model
+
+
+def _gpt(gpt: Any, cfg: TrainConfig, vocab_size: int, device: torch.device | None) -> Any:
+    return gpt(
+        config=transformer_config(cfg, device),
         transformer_layer_spec=layer_spec(cfg),
         vocab_size=padded_vocab_size(
             vocab_size, cfg.make_vocab_size_divisible_by, cfg.tensor_model_parallel_size
@@ -135,8 +161,10 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
         rotary_base=cfg.rotary_base,
         share_embeddings_and_output_weights=True,
     )
-    granularity = cfg.recompute_granularity or ("selective" if cfg.recompute_activations else None)
-    apply_recompute(model, granularity)
+
+
+def _check_attention(cfg: TrainConfig, model: torch.nn.Module) -> None:
+    """The built model really runs the attention asked for."""
     if cfg.hla.get("hla_layer_pattern") is not None:
         from hla_sp.megatron_patch.hybrid import assert_hybrid_model, layer_pattern
 
@@ -146,4 +174,3 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
         from hla_sp.megatron_patch import assert_hla_model
 
         assert_hla_model(model, cfg.attention)
-    return model

@@ -25,11 +25,13 @@ the model is built, :func:`assert_hla_model` (or, for a hybrid stack,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import inspect
+import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -288,9 +290,55 @@ def run(ns: argparse.Namespace, user_spec: Any = None) -> None:
     pretrain(cfg, datasets, ModelType.encoder_or_decoder, trainer.forward_step)
 
 
+# a % that is not argparse's own %(name)s nor an escaped %%: "...10%)" in one of
+# Megatron's help strings (megatron-core 0.18/0.19) makes argparse's help raise ValueError
+_PERCENT = re.compile(r"%%|%\(\w+\)[a-z]|%")
+
+
+def escape_help(text: str | None) -> str | None:
+    """``text`` with every stray % doubled, so that argparse can format it."""
+    if not text:
+        return text
+    return _PERCENT.sub(lambda m: m.group(0) if len(m.group(0)) > 1 else "%%", text)
+
+
+@contextlib.contextmanager
+def help_fixes() -> Iterator[None]:
+    """While Megatron prints its help: stray % escaped in every help string, and the HLA
+    flags added to a Megatron parser that lacks them (some versions parse ``--help``
+    before the extra_args_provider has run)."""
+    original = argparse.ArgumentParser.format_help
+
+    def format_help(self: argparse.ArgumentParser) -> str:
+        opts = self._option_string_actions
+        if "--num-layers" in opts and "--attention" not in opts:
+            extra_args(self)
+        for action in self._actions:
+            action.help = escape_help(action.help)
+        return original(self)
+
+    argparse.ArgumentParser.format_help = format_help  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.format_help = original  # type: ignore[method-assign]
+
+
+def hla_help() -> str:
+    """The HLA flags alone (what --help shows where megatron.training is missing)."""
+    p = argparse.ArgumentParser(
+        prog="python -m hla_sp.megatron_patch.pretrain_gpt",
+        usage="%(prog)s <Megatron-LM pretrain_gpt flags> --attention hla2 [--hla-* ...]",
+        description="Megatron-LM's pretrain_gpt with HLA core attention. Megatron's own flags "
+                    "are listed when megatron.training imports.", add_help=False)
+    return extra_args(p).format_help()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        return _help(argv)
     try:
         ns = prescan(argv)
         user_spec = None
@@ -311,6 +359,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         user_spec = get_gpt_layer_local_spec()
     sys.argv = [sys.argv[0], *argv]  # Megatron parses sys.argv itself
     run(ns, user_spec)
+    return 0
+
+
+def _help(argv: list[str]) -> int:
+    """Megatron's help with the HLA flags; the HLA flags alone without megatron.training."""
+    try:
+        importlib.import_module("megatron.training")
+    except ImportError as e:
+        print(hla_help())
+        print(missing_training_message(e).replace("Nothing was run.", "Megatron's own flags "
+                                                  "are not listed here."))
+        return 0
+    from megatron.training.arguments import parse_args as megatron_parse_args
+
+    sys.argv = [sys.argv[0], *argv]
+    with help_fixes():
+        try:  # Megatron's parser prints its help and exits 0 on --help
+            megatron_parse_args(extra_args_provider=extra_args)
+        except SystemExit as e:
+            return int(e.code or 0)
     return 0
 
 

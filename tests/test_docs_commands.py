@@ -111,7 +111,55 @@ def test_make_demo_line_passes_dry_run() -> None:
     argv = shlex.split(re.sub(r"\\\n\s*", " ", line).replace("$(PY)", sys.executable))
     p = subprocess.run([*argv, "--dry-run"], capture_output=True, text=True, env=_env(None),
                        cwd=ROOT, timeout=300)
-    assert p.returncode == 0 and "torch.distributed.run" in p.stdout, p.stderr
+    assert p.returncode == 0 and "hla_sp.launch.torchrun" in p.stdout, p.stderr
+    assert "memory per rank" in p.stdout and "TFLOP per step" in p.stdout
+
+
+def test_make_demo_resumes_from_its_own_checkpoint() -> None:
+    text = (ROOT / "Makefile").read_text()
+    recipe = re.search(r"^demo:.*?\n\t(.*?)\n\n", text, flags=re.S | re.M).group(1)
+    argv = shlex.split(re.sub(r"\\\n\s*", " ", recipe))
+    assert argv[argv.index("--load") + 1] == argv[argv.index("--save") + 1]
+    assert "--exit-signal-handler" in argv
+
+
+def _fresh_shell(script: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``script`` in a new login-less bash with a bare PATH: no virtual environment
+    active, nothing inherited but HOME, as a user's new terminal."""
+    env = {"HOME": os.environ.get("HOME", "/tmp"), "PATH": "/usr/local/bin:/usr/bin:/bin",
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.run(["bash", "--noprofile", "--norc", "-c", script], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_readme_says_how_to_reach_the_commands_and_they_work_from_a_fresh_shell() -> None:
+    """The README's venv block, line by line, each in a new shell: activating, then the
+    documented commands; and the programs called by path without activating."""
+    (block,) = [b for b in _blocks("README.md", "bash") if ".venv/bin/activate" in b]
+    lines = [ln.split("#")[0].strip() for ln in block.splitlines() if ln.split("#")[0].strip()]
+    assert lines == ["source .venv/bin/activate", ".venv/bin/hla-sp train --help"], lines
+    p = _fresh_shell("command -v hla-sp || echo not-on-path")
+    assert "not-on-path" in p.stdout, "the test shell must start without the venv"
+    p = _fresh_shell(f"{lines[0]} && hla-sp train --help >/dev/null && "
+                     "python -c 'import hla_sp, torch' && python -m hla_sp.launch.train --help "
+                     ">/dev/null && torchrun --help >/dev/null && echo ok")
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-2000:]
+    p = _fresh_shell(lines[1])
+    assert p.returncode == 0 and "--nproc-per-node" in p.stdout, p.stderr[-2000:]
+
+
+def test_readme_train_lines_dry_run_in_a_fresh_shell(dataset: str, tmp_path: Path) -> None:
+    """Every ``hla-sp train`` line of the README, with the venv activated as the README
+    says, in --dry-run (placeholders made concrete): exit 0 in a shell of its own."""
+    cmds = _commands("README.md", "hla-sp train")
+    assert cmds
+    for argv in cmds:
+        argv = _substitute(argv[2:], dataset, tmp_path)
+        script = ("source .venv/bin/activate && hla-sp train --dry-run "
+                  + " ".join(shlex.quote(a) for a in argv))
+        p = _fresh_shell(script)
+        assert p.returncode == 0, (argv, p.stderr[-2000:])
+        assert "parameters:" in p.stdout and "hla_sp.launch.train" in p.stdout
 
 
 def test_megatron_quick_start_passes_the_entry_points_guards() -> None:
