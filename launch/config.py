@@ -35,8 +35,8 @@ from hla_sp.launch.checks import (
 
 __all__ = [
     "MODEL_FLAGS", "ConfigError", "TrainConfig", "add_hla_flags", "build_parser",
-    "config_diff", "field_docs", "flag_names", "parse_args", "split_weights", "validate",
-    "world_size_from_env",
+    "config_diff", "expand_config", "field_docs", "flag_names", "nearest_flag", "parse_args",
+    "split_weights", "validate", "world_size_from_env",
 ]
 
 
@@ -69,8 +69,9 @@ class TrainConfig:
     rotary_percent: float = 1.0
     """Fraction of each head's dimensions that RoPE rotates."""
     vocab_size: int | None = None
-    """Vocabulary size before padding (default: 257 byte-level tokens for the built-in
-    data, else the largest token id in --data-path plus one)."""
+    """Vocabulary size before padding: the tokenizer's, as in Megatron (default: 257, the
+    byte-level tokens of the built-in data and of make_dataset). The data is not scanned
+    for it; a token id outside it is refused when read, naming the file."""
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary to a multiple of this times the tensor-parallel size."""
     hidden_dropout: float = 0.0
@@ -150,7 +151,8 @@ class TrainConfig:
     as bytes) or synthetic-recall (key-value pairs early, queried in the second half;
     the loss can only fall below ln(64) if information crosses context-parallel ranks)."""
     data_path: list[str] | None = None
-    """Prefixes of Megatron indexed datasets (PREFIX.bin and PREFIX.idx), concatenated."""
+    """Prefixes of Megatron indexed datasets (PREFIX.bin and PREFIX.idx), concatenated;
+    or weight-prefix pairs as Megatron takes them (0.5 A 0.5 B), blended by weight."""
     recall_pairs: int = 8
     """Key-value pairs per sample for --data synthetic-recall."""
     split: str = "969,30,1"
@@ -171,10 +173,25 @@ class TrainConfig:
     """Directory to resume from (its latest complete checkpoint)."""
     ckpt_step: int | None = None
     """With --load: resume from this iteration's checkpoint instead of the latest."""
+    keep_last: int | None = None
+    """Keep only the newest this many checkpoints in --save; older ones are deleted once
+    a newer one is complete (default: keep every checkpoint)."""
+    override_opt_param_scheduler: bool = False
+    """On resume, apply this run's learning-rate schedule flags instead of the
+    checkpoint's (Megatron's --override-opt_param-scheduler)."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """On resume, keep the checkpoint's learning-rate schedule, whatever this run's flags
+    say (Megatron's --use-checkpoint-opt_param-scheduler). Without either flag a changed
+    --lr, --min-lr, --lr-warmup-iters, --lr-decay-style, --weight-decay or decay length
+    (--lr-decay-iters, default --train-iters) is refused with the difference."""
     save_interval: int | None = None
     """Save every this many iterations (and always at the end when --save is set)."""
     exit_interval: int | None = None
     """Stop (saving first when --save is set) once the iteration is a multiple of this."""
+    exit_signal_handler: bool = False
+    """On SIGINT or SIGTERM, finish the current iteration, save (with --save), draw the
+    plot and print the command that resumes (Megatron's --exit-signal-handler). Without
+    it a signal stops the run at once, with one line and no checkpoint."""
 
     # --- logging -----------------------------------------------------------------
     log_interval: int = 1
@@ -182,7 +199,16 @@ class TrainConfig:
     log_jsonl: str | None = None
     """Append one JSON object per iteration to this file (rank 0); a line with "event":
     "start" marks where each run (or resumed run) begins. At the end of the run a plot of
-    loss and throughput goes next to it (same name, .png; needs matplotlib)."""
+    loss and throughput goes next to it (same name, .png; needs matplotlib), redrawn
+    every --log-interval iterations while the run goes."""
+    tensorboard_dir: str | None = None
+    """Write loss, learning rate, gradient norm, throughput and memory as TensorBoard
+    scalars to this directory (rank 0; needs pip install "hla-sp[tensorboard]")."""
+    wandb_project: str | None = None
+    """Log the same scalars and the config to this Weights & Biases project (rank 0;
+    needs the wandb package)."""
+    wandb_exp_name: str | None = None
+    """With --wandb-project: the run's name (default: wandb's)."""
 
     # --- attention (filled from hla_sp.megatron_patch.add_hla_args) --------------
     hla: dict[str, Any] = field(default_factory=dict)
@@ -213,6 +239,13 @@ _CHOICES = {
     "lr_decay_style": ["cosine", "linear", "constant"],
     "recompute_granularity": ["full", "selective"],
     "data": ["text", "synthetic-recall"],
+}
+
+
+# Megatron spells a few flags half with underscores; both spellings are accepted.
+_MEGATRON_SPELLINGS = {
+    "override_opt_param_scheduler": ("--override-opt_param-scheduler",),
+    "use_checkpoint_opt_param_scheduler": ("--use-checkpoint-opt_param-scheduler",),
 }
 
 
@@ -255,22 +288,62 @@ def add_hla_flags(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(attention="hla2")
 
 
+def nearest_flag(word: str, flags: typing.Iterable[str]) -> str | None:
+    """The known flag closest to a misspelt one (``--seq-len`` -> ``--seq-length``)."""
+    import difflib
+
+    flags = list(flags)
+    name = word.split("=", 1)[0]
+    # a prefix of exactly one flag is the likeliest meaning; else the closest spelling
+    starts = [f for f in flags if f.startswith(name)]
+    if len(starts) == 1:
+        return starts[0]
+    close = difflib.get_close_matches(name, flags, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def one_line_error(parser: argparse.ArgumentParser, message: str) -> str:
+    """argparse's message with "did you mean" for each unrecognized flag, on one line."""
+    if message.startswith("unrecognized arguments:"):
+        flags = [f for f in parser._option_string_actions if f.startswith("--")]
+        hints = []
+        for word in message.split(":", 1)[1].split():
+            if word.startswith("-"):
+                near = nearest_flag(word, flags)
+                hints.append(f"{word}: did you mean {near}?" if near else f"{word}: unknown")
+        if hints:
+            message += " (" + "; ".join(hints) + ")"
+    return message + f" ({parser.prog} --help lists every flag)"
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """Errors in one line with the nearest flag, not the 60-line usage argparse prints."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {one_line_error(self, message)}\n")
+
+
 class _RaisingParser(argparse.ArgumentParser):
     """A parser whose errors raise :class:`ConfigError` instead of printing usage and
     exiting (for callers such as the sweep, which name their own file and key)."""
 
     def error(self, message: str) -> typing.NoReturn:
-        raise ConfigError(message)
+        raise ConfigError(one_line_error(self, message))
 
 
 def build_parser(
     prog: str = "hla_sp.launch.train", raise_errors: bool = False
 ) -> argparse.ArgumentParser:
     """The trainer's argument parser, generated from :class:`TrainConfig`."""
-    parser = (_RaisingParser if raise_errors else argparse.ArgumentParser)(
+    parser = (_RaisingParser if raise_errors else _OneLineParser)(
         prog=prog,
         description="Train a megatron-core GPT with HLA attention and context parallelism.",
         allow_abbrev=False,  # as Megatron's parser: no prefix surprises between flags
+    )
+    parser.add_argument(
+        "--config", metavar="TOML", default=None,
+        help="Read trainer flags from this TOML file (keys are the flag names, with - or _: "
+             "seq_length = 4096; tables only group them); flags on the command line win.",
     )
     docs = field_docs(TrainConfig)
     hints = typing.get_type_hints(TrainConfig)
@@ -281,7 +354,8 @@ def build_parser(
         tp, is_list = _base_type(hints[f.name])
         help_text = docs.get(f.name, "")
         if tp is bool:
-            parser.add_argument(flag, action="store_true", help=help_text)
+            parser.add_argument(flag, *_MEGATRON_SPELLINGS.get(f.name, ()),
+                                action="store_true", help=help_text)
             continue
         default = f.default
         kw: dict[str, Any] = {"type": tp, "default": default, "help": help_text}
@@ -296,10 +370,86 @@ def build_parser(
     return parser
 
 
-def parse_args(argv: list[str] | None = None, raise_errors: bool = False) -> TrainConfig:
-    """Parse trainer flags into a :class:`TrainConfig` (the HLA flags land in ``cfg.hla``);
-    with ``raise_errors`` a bad flag raises :class:`ConfigError` instead of exiting."""
-    ns = vars(build_parser(raise_errors=raise_errors).parse_args(argv))
+def _toml_flags(path: str, parser: argparse.ArgumentParser) -> list[str]:
+    """A TOML run file as command-line tokens (``seq_length = 4096`` -> ``--seq-length
+    4096``), each key checked against the parser; errors name the file and the key."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot read it ({e.strerror or e})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {path}: not valid TOML ({e})") from None
+    items: list[tuple[str, Any]] = []
+    for k, v in data.items():  # tables group keys; their keys are flags like the rest
+        items += list(v.items()) if isinstance(v, dict) else [(k, v)]
+    flags = {a.dest: a for a in parser._actions if a.option_strings}
+    out: list[str] = []
+    for key, value in items:
+        dest = key.replace("-", "_")
+        action = flags.get(dest)
+        if action is None or dest in ("config", "help"):
+            near = nearest_flag("--" + dest.replace("_", "-"),
+                                [f for f in parser._option_string_actions if f != "--config"])
+            hint = f"; did you mean {near.lstrip('-')}?" if near else ""
+            raise ConfigError(f"--config {path}: unknown key {key!r}{hint}")
+        flag = action.option_strings[0]
+        if isinstance(value, bool):
+            if isinstance(action, argparse._StoreTrueAction):
+                out += [flag] if value else []
+                continue
+            # a --hla-x / --no-hla-x pair: the flag for this value
+            want = "--" + ("" if value else "no-") + dest.replace("_", "-")
+            if want not in parser._option_string_actions:
+                raise ConfigError(f"--config {path}: {key} takes a value, got {value!r}")
+            out.append(want)
+        elif isinstance(value, list):
+            out += [flag, *map(str, value)]
+        elif isinstance(value, dict):
+            raise ConfigError(f"--config {path}: {key}: tables nest one level, got a table")
+        else:
+            out += [flag, str(value)]
+    try:  # the values too, while the file can still be named
+        parser.parse_args(out)
+    except (ConfigError, SystemExit) as e:
+        raise ConfigError(f"--config {path}: {e}") from None
+    return out
+
+
+def expand_config(argv: list[str], prog: str = "hla_sp.launch.train") -> list[str]:
+    """``argv`` with ``--config FILE`` replaced by the file's flags, put first so that the
+    command line's own flags override them (argparse keeps the last value)."""
+    for i, a in enumerate(argv):
+        if a == "--config" or a.startswith("--config="):
+            path = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
+            if not path:
+                raise ConfigError("--config: expected a TOML file, got nothing")
+            rest = argv[:i] + argv[i + (1 if "=" in a else 2):]
+            return [*_toml_flags(path, build_parser(prog, raise_errors=True)), *rest]
+    return argv
+
+
+def parse_args(
+    argv: list[str] | None = None, raise_errors: bool = False, prog: str = "hla_sp.launch.train"
+) -> TrainConfig:
+    """Parse trainer flags (and a ``--config`` TOML file) into a :class:`TrainConfig` (the
+    HLA flags land in ``cfg.hla``); with ``raise_errors`` a bad flag raises
+    :class:`ConfigError` instead of exiting with one line."""
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv = expand_config(argv, prog)
+    except ConfigError as e:
+        if raise_errors:
+            raise
+        sys.exit(f"{prog}: error: {e}")
+    ns = vars(build_parser(prog, raise_errors=raise_errors).parse_args(argv))
+    ns.pop("config", None)
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     hla = {k: v for k, v in ns.items() if k not in names}
     return TrainConfig(**{k: v for k, v in ns.items() if k in names}, hla=hla)

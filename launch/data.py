@@ -16,6 +16,7 @@ import struct
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -70,14 +71,107 @@ class DatasetError(ValueError):
 
 _IDX_MAGIC = b"MMIDIDX\x00\x00"
 _IDX_HEADER = 34  # magic 9, version 8, dtype code 1, sequence count 8, document count 8
-# megatron.core.datasets.indexed_dataset.DType codes -> item size in bytes
-_DTYPE_SIZES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}
+# megatron.core.datasets.indexed_dataset.DType codes -> numpy dtype
+_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
+           7: np.float32, 8: np.uint16}  # fmt: skip
+# index entries checked per block: 12 MiB of lengths and pointers, 8 MiB of documents
+VALIDATE_BLOCK = 1 << 20
 
 
-def check_indexed_dataset(prefix: str) -> None:
-    """Check PREFIX.idx and PREFIX.bin before any process starts: both present, the index
-    complete, the token file exactly as long as the index says. Reads only the header,
-    the last sequence's length and pointer, and the two file sizes (no megatron import).
+@dataclass(frozen=True)
+class IndexInfo:
+    """What a validated index says: token dtype and the counts (no arrays)."""
+
+    prefix: str
+    dtype: np.dtype
+    sequences: int
+    documents: int
+    tokens: int
+
+
+def _read_block(f: Any, offset: int, dtype: type, count: int) -> np.ndarray:
+    """``count`` items of ``dtype`` at byte ``offset``, by a plain read (not the memory
+    map, whose pages would stay resident: a streamed check must not keep what it read)."""
+    out = np.empty(count, dtype=dtype)
+    f.seek(offset)
+    got = f.readinto(memoryview(out).cast("B"))
+    if got != out.nbytes:
+        raise DatasetError(f"{f.name}: short read at byte {offset} ({got} of {out.nbytes})")
+    return out
+
+
+def _check_sequences(f: Any, idx: str, bin_: str, n_seq: int, item: int, have: int) -> int:
+    """Every length >= 0, every sequence inside the .bin and right after the previous one
+    (as Megatron's builder writes them, so that a pointer is the stream offset); return
+    the byte where the last sequence ends. Streamed in blocks of :data:`VALIDATE_BLOCK`."""
+    len_at, ptr_at = _IDX_HEADER, _IDX_HEADER + 4 * n_seq
+    expect = 0  # where the next sequence must start
+    for lo in range(0, n_seq, VALIDATE_BLOCK):
+        k = min(VALIDATE_BLOCK, n_seq - lo)
+        lens = _read_block(f, len_at + 4 * lo, np.int32, k).astype(np.int64)
+        ptrs = _read_block(f, ptr_at + 8 * lo, np.int64, k)
+        bad = np.flatnonzero(lens < 0)
+        if bad.size:
+            i = int(bad[0])
+            raise DatasetError(
+                f"{idx}: sequence {lo + i} has length {int(lens[i])}; expected a length >= 0 "
+                f"(a corrupt or crafted index)")
+        # bounds first, so that the sums below cannot overflow
+        bad = np.flatnonzero((ptrs < 0) | (ptrs > have) | (lens * item > have - ptrs))
+        if bad.size:
+            i = int(bad[0])
+            raise DatasetError(
+                f"{idx}: sequence {lo + i} (pointer {int(ptrs[i])}, {int(lens[i])} tokens of "
+                f"{item} bytes) lies outside {bin_} ({have} bytes); expected every sequence "
+                f"inside the token file: the pair is corrupt, crafted or from two builds")
+        starts = np.empty(k, np.int64)
+        starts[0] = expect
+        starts[1:] = ptrs[:-1] + lens[:-1] * item
+        bad = np.flatnonzero(ptrs != starts)
+        if bad.size:
+            i = int(bad[0])
+            raise DatasetError(
+                f"{idx}: sequence {lo + i} starts at byte {int(ptrs[i])}, expected "
+                f"{int(starts[i])} (right after the previous one, as Megatron's builder writes "
+                f"them); the trainer reads the .bin as one stream of tokens")
+        expect = int(ptrs[-1] + lens[-1] * item)
+    return expect
+
+
+def _check_documents(f: Any, idx: str, n_seq: int, n_doc: int) -> None:
+    """Document boundaries: from 0, non-decreasing, ending at the sequence count."""
+    at = _IDX_HEADER + 12 * n_seq
+    prev = 0
+    for lo in range(0, n_doc, VALIDATE_BLOCK):
+        k = min(VALIDATE_BLOCK, n_doc - lo)
+        docs = _read_block(f, at + 8 * lo, np.int64, k)
+        if lo == 0 and docs[0] != 0:
+            raise DatasetError(f"{idx}: document index 0 is {int(docs[0])}, expected 0")
+        steps = np.diff(docs, prepend=prev)
+        bad = np.flatnonzero((steps < 0) | (docs > n_seq))
+        if bad.size:
+            i = int(bad[0])
+            raise DatasetError(
+                f"{idx}: document index {lo + i} is {int(docs[i])}; expected a non-decreasing "
+                f"sequence number in [0, {n_seq}] (a corrupt or crafted index)")
+        prev = int(docs[-1])
+    if n_doc and prev != n_seq:
+        raise DatasetError(
+            f"{idx}: the last document index is {prev}, expected the sequence count {n_seq}")
+
+
+_CHECKED: dict[tuple[Any, ...], IndexInfo] = {}
+
+
+def check_indexed_dataset(prefix: str) -> IndexInfo:
+    """Validate PREFIX.idx against PREFIX.bin; return the counts.
+
+    The header and the file sizes first (a crafted count is refused before anything is
+    allocated for it), then every sequence's length and pointer and every document
+    boundary, read in blocks of :data:`VALIDATE_BLOCK` entries, so memory stays flat
+    whatever the index's size. The token file is never read, only its size. A result
+    is remembered per file identity (size, mtime, inode), so the trainer's several
+    readers of one dataset validate it once per process.
 
     Raises :class:`DatasetError` naming the file and what is wrong with it.
     """
@@ -85,7 +179,12 @@ def check_indexed_dataset(prefix: str) -> None:
     for path in (bin_, idx):
         if not os.path.isfile(path):
             raise DatasetError(f"{path}: not found")
-    size = os.path.getsize(idx)
+    si, sb = os.stat(idx), os.stat(bin_)
+    key = (os.path.abspath(prefix), si.st_size, si.st_mtime_ns, si.st_ino, sb.st_size,
+           sb.st_mtime_ns, sb.st_ino)  # fmt: skip
+    if key in _CHECKED:
+        return _CHECKED[key]
+    size, have = si.st_size, sb.st_size
     if size == 0:
         raise DatasetError(f"{idx}: empty file (0 bytes); rebuild the dataset")
     with open(idx, "rb") as f:
@@ -95,88 +194,131 @@ def check_indexed_dataset(prefix: str) -> None:
                 f"{idx}: not a Megatron indexed-dataset index (expected the MMIDIDX header of "
                 f"{_IDX_HEADER} bytes, got {size} bytes starting {head[:9]!r})"
             )
+        (version,) = struct.unpack("<Q", head[9:17])
+        if version != 1:
+            raise DatasetError(f"{idx}: index version {version}, expected 1")
         code = head[17]
         n_seq, n_doc = struct.unpack("<QQ", head[18:34])
-        if code not in _DTYPE_SIZES:
-            raise DatasetError(f"{idx}: unknown token dtype code {code}")
+        if code not in _DTYPES:
+            raise DatasetError(
+                f"{idx}: unknown token dtype code {code}, expected one of {sorted(_DTYPES)}")
         want = _IDX_HEADER + n_seq * (4 + 8) + n_doc * 8
         if size < want:
             raise DatasetError(
                 f"{idx}: truncated: {n_seq} sequences and {n_doc} documents need {want} bytes, "
                 f"the file has {size}; rebuild the dataset"
             )
+        dtype = np.dtype(_DTYPES[code])
+        item = dtype.itemsize
+        if have % item:
+            raise DatasetError(
+                f"{bin_}: {have} bytes is not a whole number of {item}-byte tokens (truncated "
+                f"mid-token)"
+            )
+        # the last sequence says how long the .bin must be: a short one is "truncated"
+        # (the usual accident), before the whole-index check names a single entry
         last_len = last_ptr = 0
         if n_seq:
-            f.seek(_IDX_HEADER + (n_seq - 1) * 4)
-            (last_len,) = struct.unpack("<i", f.read(4))
-            f.seek(_IDX_HEADER + n_seq * 4 + (n_seq - 1) * 8)
-            (last_ptr,) = struct.unpack("<q", f.read(8))
-    item = _DTYPE_SIZES[code]
-    need = last_ptr + last_len * item
-    have = os.path.getsize(bin_)
-    if have == 0 and need > 0:
-        raise DatasetError(f"{bin_}: empty file (0 bytes), but {idx} indexes {need} bytes")
-    if have % item:
-        raise DatasetError(
-            f"{bin_}: {have} bytes is not a whole number of {item}-byte tokens (truncated "
-            f"mid-token); {idx} indexes {need} bytes"
-        )
-    if have < need:
-        raise DatasetError(
-            f"{bin_}: truncated: {idx} indexes {need} bytes ({need // item} tokens), the file "
-            f"has {have}; rebuild the dataset"
-        )
-    if need == 0:
+            last_len = int(_read_block(f, _IDX_HEADER + 4 * (n_seq - 1), np.int32, 1)[0])
+            last_ptr = int(_read_block(f, _IDX_HEADER + 12 * n_seq - 8, np.int64, 1)[0])
+        need = last_ptr + last_len * item
+        if have == 0 and need > 0:
+            raise DatasetError(f"{bin_}: empty file (0 bytes), but {idx} indexes {need} bytes")
+        if last_ptr >= 0 and last_len >= 0 and have < need:
+            raise DatasetError(
+                f"{bin_}: truncated: {idx} indexes {need} bytes ({need // item} tokens), the "
+                f"file has {have}; rebuild the dataset"
+            )
+        end = _check_sequences(f, idx, bin_, n_seq, item, have)
+        _check_documents(f, idx, n_seq, n_doc)
+    if end == 0:
         raise DatasetError(f"{idx}: indexes no tokens ({n_seq} sequences); nothing to train on")
+    info = IndexInfo(prefix, dtype, n_seq, n_doc, end // item)
+    _CHECKED[key] = info
+    return info
+
+
+def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float] | None]:
+    """Megatron's ``--data-path``: prefixes, or weight-prefix pairs (``0.5 A 0.5 B``).
+
+    Parsed by megatron-core's own ``get_blend_from_list``; the weights are then checked
+    (finite, >= 0, not all 0) and normalised to sum to 1.
+    """
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    blend = get_blend_from_list(list(data_path))
+    assert blend is not None
+    prefixes, weights = blend
+    if weights is None:
+        return prefixes, None
+    if any(not np.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
+        raise DatasetError(
+            f"--data-path {' '.join(data_path)}: expected weights >= 0, not all 0, before each "
+            f"prefix (as 0.5 A 0.5 B), got {weights}")
+    total = float(sum(weights))
+    return prefixes, [w / total for w in weights]
 
 
 class IndexedTokens:
-    """A Megatron indexed dataset (or several), read as one stream of tokens.
+    """A Megatron indexed dataset (or several, concatenated), read as one stream of tokens.
 
-    Uses ``megatron.core.datasets.indexed_dataset.IndexedDataset`` (memory-mapped), so
-    existing Megatron data works unchanged and nothing is loaded whole.
+    Opening is O(1) in the number of sequences: the index is validated in streamed
+    blocks (:func:`check_indexed_dataset`) and, since the sequences are contiguous in the
+    .bin, a stream offset *is* a token offset in the .bin: reads go straight to
+    megatron-core's ``IndexedDataset`` bin reader (a memory map), and no per-sequence
+    array or object is ever built. Token ids are checked against ``vocab_size`` as they
+    are read, so nothing scans the whole .bin at start-up.
     """
 
-    def __init__(self, prefixes: list[str]):
+    def __init__(self, prefixes: list[str], vocab_size: int | None = None):
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-        for p in prefixes:
-            check_indexed_dataset(p)
+        self.infos = [check_indexed_dataset(p) for p in prefixes]
         self.datasets = [IndexedDataset(p) for p in prefixes]
-        # (dataset, sequence) in order, and where each starts in the stream
-        self._seq: list[tuple[int, int]] = []
-        lengths: list[np.ndarray] = []
-        for d, ds in enumerate(self.datasets):
-            n = len(ds.sequence_lengths)
-            self._seq += [(d, i) for i in range(n)]
-            lengths.append(np.asarray(ds.sequence_lengths, dtype=np.int64))
-        lens = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
-        self._starts = np.concatenate([[0], np.cumsum(lens)])
+        self.vocab_size = vocab_size
+        # where each dataset starts in the stream (one entry per prefix)
+        self._starts = np.cumsum([0] + [i.tokens for i in self.infos], dtype=np.int64)
 
     def __len__(self) -> int:
         return int(self._starts[-1])
 
     def read(self, start: int, length: int) -> np.ndarray:
-        """Tokens ``[start, start + length)`` of the stream."""
+        """Tokens ``[start, start + length)`` of the stream, as int64."""
         out = np.empty(length, dtype=np.int64)
         pos, filled = start, 0
-        s = int(np.searchsorted(self._starts, pos, side="right")) - 1
+        d = int(np.searchsorted(self._starts, pos, side="right")) - 1
         while filled < length:
-            d, i = self._seq[s]
-            off = pos - int(self._starts[s])
-            take = min(length - filled, int(self._starts[s + 1]) - pos)
-            out[filled : filled + take] = self.datasets[d].get(i, offset=off, length=take)
+            info, ds = self.infos[d], self.datasets[d]
+            off = pos - int(self._starts[d])
+            take = min(length - filled, info.tokens - off)
+            part = ds.bin_reader.read(info.dtype, take, off * info.dtype.itemsize)
+            self._check_ids(part, d, off)
+            out[filled : filled + take] = part
             filled += take
             pos += take
-            s += 1
+            d += 1
         return out
 
-    def max_token(self) -> int:
-        """Largest token id (one pass over the memory map)."""
-        return max(
-            int(np.memmap(ds.path_prefix + ".bin", dtype=ds.index.dtype, mode="r").max())
-            for ds in self.datasets
-        )
+    def _check_ids(self, part: np.ndarray, d: int, off: int) -> None:
+        """Token ids in [0, vocab_size): an id outside the embedding table would index
+        past it (a device-side assert on CUDA)."""
+        if self.vocab_size is None or part.size == 0:
+            return
+        bad = np.flatnonzero((part < 0) | (part >= self.vocab_size))
+        if bad.size:
+            i = int(bad[0])
+            raise DatasetError(
+                f"{self.infos[d].prefix}.bin: token {off + i} is {part[i].item()!r}, outside the "
+                f"vocabulary [0, {self.vocab_size}); pass --vocab-size with the size of the "
+                f"tokenizer that built the data (the default, {BYTE_VOCAB}, is the byte-level "
+                f"vocabulary of make_dataset)")
+
+    def max_token(self, limit: int = 1 << 26) -> int:
+        """Largest token id in the first ``limit`` tokens of the stream (a spot check for
+        tools and tests; training never scans the .bin)."""
+        n = min(len(self), limit)
+        return int(self.read(0, n).max()) if n else -1
+
 
 
 class ArrayTokens:
@@ -246,14 +388,56 @@ class TextSamples:
         self._perm_epoch = -1
         self._perm = np.zeros(0, np.int64)
 
+    def _permutation(self, epoch: int) -> np.ndarray:
+        """The epoch's order of windows: ``Generator.permutation(n)``'s exact order, shuffled
+        in place in int32 when it fits (4 bytes per window instead of 8)."""
+        rng = np.random.default_rng([self.seed, epoch])
+        small = self.num_windows <= np.iinfo(np.int32).max
+        perm = np.arange(self.num_windows, dtype=np.int32 if small else np.int64)
+        rng.shuffle(perm)
+        return perm
+
     def __getitem__(self, index: int) -> Sample:
         epoch, i = divmod(index, self.num_windows)
         if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+            self._perm = self._permutation(epoch)
             self._perm_epoch = epoch
         w = self.first + int(self._perm[i])
         x = torch.from_numpy(self.stream.read(w * self.seq_length, self.seq_length + 1))
         return Sample(x[:-1].clone(), x[1:].clone(), torch.ones(self.seq_length))
+
+
+class BlendedSamples:
+    """Megatron's weighted blend of several sample sources (``--data-path 0.5 A 0.5 B``).
+
+    Sample ``i`` comes from the source and position megatron-core's
+    ``helpers.build_blending_indices`` gives it (the order of Megatron's
+    ``BlendedDataset``: each sample goes to the source furthest below its share). That
+    order is prefix-stable, so the indices are built for the samples asked for so far
+    and doubled when a larger index comes; the sample stays a function of its index.
+    """
+
+    def __init__(self, sources: list[TextSamples], weights: list[float]):
+        if len(sources) > np.iinfo(np.int16).max:
+            raise DatasetError(f"--data-path: at most {np.iinfo(np.int16).max} weighted prefixes")
+        self.sources, self.weights = sources, np.asarray(weights, dtype=np.float64)
+        self._dataset = np.zeros(0, np.int16)
+        self._sample = np.zeros(0, np.int64)
+
+    def _grow(self, size: int) -> None:
+        from megatron.core.datasets import helpers
+
+        size = max(size, 2 * len(self._dataset), 1024)
+        dataset = np.zeros(size, dtype=np.int16)
+        sample = np.zeros(size, dtype=np.int64)
+        helpers.build_blending_indices(dataset, sample, self.weights, len(self.sources),
+                                       size, False)
+        self._dataset, self._sample = dataset, sample
+
+    def __getitem__(self, index: int) -> Sample:
+        if index >= len(self._dataset):
+            self._grow(index + 1)
+        return self.sources[int(self._dataset[index])][int(self._sample[index])]
 
 
 def recall_positions(seq_length: int, pairs: int) -> tuple[int, int]:
@@ -317,26 +501,42 @@ def build_samples(
     recall_pairs: int,
     split: tuple[float, float, float] = (1.0, 0.0, 0.0),
     part: str = "train",
-) -> TextSamples | RecallSamples:
-    """The sample source a config names; ``part`` "train" or "valid" of ``split``."""
+    vocab_size: int | None = None,
+) -> TextSamples | RecallSamples | BlendedSamples:
+    """The sample source a config names; ``part`` "train" or "valid" of ``split``.
+
+    ``data_path`` as Megatron's ``--data-path``: prefixes are concatenated into one
+    stream; weight-prefix pairs are blended by weight, each prefix split on its own (as
+    Megatron's ``BlendedMegatronDatasetBuilder`` splits each dataset before blending).
+    Token ids of indexed data are checked against ``vocab_size`` (default: the
+    byte-level vocabulary) as they are read.
+    """
     if data == "synthetic-recall":
         return RecallSamples(seq_length, recall_pairs, seed, part)
     if data_path:
-        return TextSamples(IndexedTokens(data_path), seq_length, seed, split, part)
+        prefixes, weights = parse_data_path(data_path)
+        vocab = vocab_size or BYTE_VOCAB
+        if weights is None:
+            return TextSamples(IndexedTokens(prefixes, vocab), seq_length, seed, split, part)
+        # each source its own seed stream, so that two equal prefixes do not move in step
+        sources = [TextSamples(IndexedTokens([p], vocab), seq_length, seed + i, split, part)
+                   for i, p in enumerate(prefixes)]
+        return BlendedSamples(sources, weights)
     # enough for 8 samples even at million-token lengths
     tokens = builtin_text_tokens(8 * (seq_length + 1))
     return TextSamples(ArrayTokens(tokens), seq_length, seed, split, part)
 
 
 def infer_vocab_size(data: str, data_path: list[str] | None) -> int:
-    """Vocabulary size before padding."""
-    if data_path and data == "text":
-        return IndexedTokens(data_path).max_token() + 1
+    """Vocabulary size before padding when --vocab-size is not given: the byte-level
+    vocabulary (what make_dataset writes). As in Megatron, the vocabulary comes from the
+    tokenizer or a flag, never from scanning the data; ids outside it are refused when
+    read, naming the file and the flag."""
     return BYTE_VOCAB
 
 
 def microbatches(
-    samples: TextSamples | RecallSamples,
+    samples: TextSamples | RecallSamples | BlendedSamples,
     consumed: int,
     global_batch: int,
     micro_batch: int,

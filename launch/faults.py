@@ -10,7 +10,8 @@ elastic agent, so it outlives any worker.
 
 Fault injection for tests and drills: ``HLA_SP_FAULT=RANK:ITER:KIND`` makes rank RANK,
 at the start of iteration ITER, ``kill`` itself (SIGKILL), ``hang`` (sleep forever), or
-``raise`` an error.
+``raise`` an error; ``KIND@save`` does it while saving iteration ITER's checkpoint
+instead (after every rank has entered the save).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -37,6 +39,29 @@ _diagnosing = False
 # the next iteration it came, which is the real elapsed time, whatever timeout a
 # message mentions.
 _progress: tuple[int, float] = (0, time.monotonic())
+# the iteration whose checkpoint this rank is writing, None outside a save: a failure
+# there is reported as "while saving iteration N", not as time into the next step
+_saving: int | None = None
+_heartbeat: Heartbeat | None = None  # this process's, once training runs
+
+
+@contextlib.contextmanager
+def saving(iteration: int) -> Iterator[None]:
+    """Mark this rank as saving ``iteration`` (for failure messages and the heartbeat).
+    An error leaving the save carries the iteration with it: the run's failure report
+    comes after the save has been left, and must still say where the error came from."""
+    global _saving
+    _saving = iteration
+    if _heartbeat is not None:  # say it now: a rank killed in the save beats no more
+        _heartbeat.beat_now()
+    try:
+        yield
+    except BaseException as e:
+        with contextlib.suppress(Exception):
+            e.hla_sp_saving = iteration  # type: ignore[attr-defined]
+        raise
+    finally:
+        _saving = None
 
 
 class StoppedByLauncher(RuntimeError):
@@ -94,7 +119,8 @@ class Heartbeat:
     where the main thread is (so that a hung rank can be told from its waiting peers)."""
 
     def __init__(self, rank: int):
-        global _progress
+        global _progress, _heartbeat
+        _heartbeat = self
         self.rank = rank
         self.iteration = 0
         _progress = (0, time.monotonic())
@@ -111,7 +137,8 @@ class Heartbeat:
         where, in_collective = _main_thread_location()
         with self._lock:
             self._beat += 1
-            beat = {"beat": self._beat, "it": self.iteration, "at": where, "coll": in_collective}
+            beat = {"beat": self._beat, "it": self.iteration, "at": where, "coll": in_collective,
+                    "saving": _saving}
             self._store.set(f"{_PREFIX}{self.rank}", json.dumps(beat))
 
     def progress(self, iteration: int) -> None:
@@ -119,7 +146,11 @@ class Heartbeat:
         global _progress
         self.iteration = iteration
         _progress = (iteration, time.monotonic())
-        if self._store is not None:
+        self.beat_now()
+
+    def beat_now(self) -> None:
+        """Write a beat now, not at the next tick (best effort)."""
+        if self._store is not None and not self._stop.is_set():
             with contextlib.suppress(Exception):
                 self._write()
 
@@ -181,9 +212,12 @@ def diagnose(rank: int, world_size: int, self_in_collective: bool = True) -> str
     ]
     if dead:
         last = {r: (first[r]["it"] if first[r] else "?") for r in dead}
+        during = {r: (f", while saving iteration {first[r]['saving']}"
+                      if first[r] and first[r].get("saving") is not None else "")
+                  for r in dead}  # fmt: skip
         parts.append(
             "rank(s) "
-            + ", ".join(f"{r} (last finished iteration {last[r]})" for r in dead)
+            + ", ".join(f"{r} (last finished iteration {last[r]}{during[r]})" for r in dead)
             + " stopped responding: the process died or was killed"
         )
     if stuck:
@@ -249,7 +283,11 @@ def report_failure(rank: int, world_size: int, err: BaseException) -> str:
                 chain[-1])
     it, since = _progress
     elapsed = time.monotonic() - since
-    where = f"{elapsed:.1f} s into iteration {it + 1}"
+    saving = next((e.hla_sp_saving for e in chain if hasattr(e, "hla_sp_saving")), _saving)
+    if saving is not None:  # the step is done; the failure came in the checkpoint's write
+        where = f"while saving iteration {saving}"
+    else:
+        where = f"{elapsed:.1f} s into iteration {it + 1}"
     print(
         f"[hla-sp] rank {rank}/{world_size}: training stopped by {_describe(root)} ({where})",
         file=sys.stderr,
@@ -277,13 +315,15 @@ def report_failure(rank: int, world_size: int, err: BaseException) -> str:
     return msg
 
 
-def maybe_inject(rank: int, iteration: int) -> None:
-    """Apply ``HLA_SP_FAULT`` if it names this rank and iteration."""
+def maybe_inject(rank: int, iteration: int, phase: str = "step") -> None:
+    """Apply ``HLA_SP_FAULT`` if it names this rank, iteration and phase ("step": the
+    start of the iteration; "save": inside its checkpoint's save, with ``KIND@save``)."""
     spec = os.environ.get("HLA_SP_FAULT")
     if not spec:
         return
     r, it, kind = spec.split(":")
-    if int(r) != rank or int(it) != iteration:
+    kind, _, where = kind.partition("@")
+    if int(r) != rank or int(it) != iteration or (where or "step") != phase:
         return
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)

@@ -9,11 +9,25 @@ also what the Ray sweep runs inside each worker.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import traceback
 import warnings
 from collections.abc import Callable
 from typing import Any
+
+
+def _stop_while_starting(signum: int, frame: Any) -> None:
+    """A signal before training starts (megatron's import takes seconds): leave at once,
+    one line from rank 0, no traceback of half-finished imports from every rank."""
+    if os.environ.get("RANK", "0") == "0":
+        os.write(2, f"hla-sp train: stopped by {signal.Signals(signum).name} while starting; "
+                    f"nothing was trained\n".encode())
+    os._exit(128 + signum)
+
+
+if __name__ == "__main__":  # under torchrun; run() installs the training-time handlers
+    signal.signal(signal.SIGINT, _stop_while_starting)
 
 # Megatron warns on import about apex/TE; on CPU that is the expected state.
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
@@ -21,7 +35,7 @@ warnings.filterwarnings("ignore", message=".*apex.*", category=UserWarning)
 warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
 
 import torch.distributed as dist  # noqa: E402
-from hla_sp.launch import checkpoint, faults, metrics  # noqa: E402
+from hla_sp.launch import checkpoint, faults, metrics, signals  # noqa: E402
 from hla_sp.launch.config import (  # noqa: E402
     ConfigError,
     TrainConfig,
@@ -92,6 +106,7 @@ def run(
     """
     world = dist.get_world_size() if dist.is_initialized() else world_size_from_env()
     validate(cfg, world)  # before any process group is created
+    checkpoint.preflight(cfg)  # --save writable, free, not another run's; the schedule
     if not _announce_start(cfg):
         return []  # a finished run: nothing to do (every rank reads the same files)
     topo = init_distributed(
@@ -100,6 +115,8 @@ def run(
     metrics.reset_peak_memory()  # count this run: model, optimizer, activations
     heartbeat = faults.Heartbeat(topo.rank)
     faults.install_sigterm_handler()
+    signals.install(graceful=cfg.exit_signal_handler)  # SIGTERM too, with the flag
+    trainer: Trainer | None = None
     try:
         trainer = Trainer(cfg, topo)
         if topo.is_first:
@@ -117,10 +134,31 @@ def run(
                     f"metrics: {os.path.abspath(cfg.log_jsonl)} (one JSON line per iteration)"
                 )
                 metrics.say(metrics.plot_run(cfg.log_jsonl))
+            if trainer.stopped_by:
+                metrics.say(_stopped_line(cfg, trainer))
+    except signals.Interrupted as stop:
+        # every rank got the signal (torchrun passes it on): one line for the run
+        heartbeat.stop()
+        if topo.is_first:
+            it = trainer.iteration if trainer is not None else 0
+            print(f"hla-sp train: stopped by {stop} during iteration {it + 1}; nothing saved "
+                  f"since then (--exit-signal-handler finishes the iteration and saves)",
+                  file=sys.stderr, flush=True)
+        if not exit_on_error:
+            raise
+        sys.stdout.flush()
+        os._exit(128 + stop.signum)
     except Exception as err:
         heartbeat.stop()
-        traceback.print_exc()
+        oom = _is_oom(err)
+        if not oom and not isinstance(err, faults.StoppedByLauncher):
+            traceback.print_exc()  # a stop from outside or an OOM needs no traceback
         faults.report_failure(topo.rank, topo.world_size, err)
+        if oom:
+            from hla_sp.launch.estimate import advice
+
+            print(f"[hla-sp] rank {topo.rank}: out of memory; {advice(cfg, topo.world_size)}",
+                  file=sys.stderr, flush=True)
         if not exit_on_error:
             raise
         # a broken group can hang in destroy or atexit; leave now, non-zero
@@ -130,6 +168,24 @@ def run(
     heartbeat.stop()
     shutdown(topo)
     return records
+
+
+def _is_oom(err: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, or the CPU allocator's "can't allocate memory"."""
+    import torch
+
+    return isinstance(err, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(err, RuntimeError) and ("out of memory" in str(err)
+                                           or "can't allocate memory" in str(err)))
+
+
+def _stopped_line(cfg: TrainConfig, trainer: Trainer) -> str:
+    """The one line after a signal under --exit-signal-handler: where, and how to resume."""
+    head = (f"stopped by {signals.name(trainer.stopped_by or 0)} after iteration "
+            f"{trainer.iteration}/{cfg.train_iters}")
+    if not cfg.save:
+        return f"{head}; nothing saved (no --save), so a rerun starts from iteration 0"
+    return f"{head}; resume with: {signals.resume_command(cfg.save, cfg.load)}"
 
 
 def main(argv: list[str] | None = None) -> int:

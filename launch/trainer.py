@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from hla_sp.launch import checkpoint, faults, metrics
+from hla_sp.launch import checkpoint, faults, metrics, signals
 from hla_sp.launch.config import TrainConfig, split_weights
 from hla_sp.launch.data import build_samples, infer_vocab_size, microbatches
 from hla_sp.launch.distributed import Topology
@@ -56,12 +56,13 @@ class Trainer:
         self.global_batch = cfg.global_batch_size or cfg.micro_batch_size * topo.dp
         split = split_weights(cfg.split)
         self.samples = build_samples(
-            cfg.data, cfg.data_path, cfg.seq_length, cfg.seed, cfg.recall_pairs, split
+            cfg.data, cfg.data_path, cfg.seq_length, cfg.seed, cfg.recall_pairs, split,
+            vocab_size=cfg.vocab_size,
         )
         # the held-out split, read only when --eval-interval asks for validation
         self.valid_samples = (
             build_samples(cfg.data, cfg.data_path, cfg.seq_length, cfg.seed,
-                          cfg.recall_pairs, split, part="valid")
+                          cfg.recall_pairs, split, part="valid", vocab_size=cfg.vocab_size)
             if cfg.eval_interval else None
         )
         vocab = cfg.vocab_size or infer_vocab_size(cfg.data, cfg.data_path)
@@ -69,7 +70,8 @@ class Trainer:
         # matrix from the default generator, then keeps this TP rank's slice
         torch.manual_seed(cfg.seed)
         # --bf16/--fp16: every floating weight half, norms too (Megatron's Float16Module)
-        self.model = build_model(cfg, vocab).to(device=topo.device, dtype=model_dtype(cfg))
+        self.model = build_model(cfg, vocab, topo.device).to(device=topo.device,
+                                                             dtype=model_dtype(cfg))
         self.masters = MasterWeights(self.model)
         self.scaler = (
             LossScaler(cfg.loss_scale, cfg.initial_loss_scale, cfg.min_loss_scale,
@@ -95,6 +97,10 @@ class Trainer:
             end_wd=cfg.weight_decay,
             wd_incr_steps=max(cfg.train_iters, 1),
             wd_incr_style="constant",
+            # a changed schedule was refused before the process group unless one of
+            # Megatron's two flags says whose to trust; equal values load either way
+            override_opt_param_scheduler=cfg.override_opt_param_scheduler,
+            use_checkpoint_opt_param_scheduler=not cfg.override_opt_param_scheduler,
         )
         self.iteration = 0
         self.consumed_samples = 0
@@ -117,6 +123,12 @@ class Trainer:
             if self.scaler is not None and "loss_scaler" in pos["extra"]:
                 self.scaler.load_state_dict(pos["extra"]["loss_scaler"])
         self.rss_before_train = metrics.current_rss_bytes()
+        from hla_sp.launch.estimate import model_flops_per_token
+
+        # model FLOPs of one step (recompute not counted): the TFLOP/s of the progress line
+        self.flops_per_step = (model_flops_per_token(cfg, vocab) * self.global_batch
+                               * cfg.seq_length)
+        self.stopped_by: int | None = None  # the signal that ended the run early, if any
 
     # -- one optimizer step ---------------------------------------------------------
     def _cp_slice(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -246,6 +258,8 @@ class Trainer:
         tokens = self.global_batch * cfg.seq_length
         return {
             "iteration": self.iteration,
+            "consumed_tokens": self.consumed_samples * cfg.seq_length,
+            "tflops_per_s": self.flops_per_step / dt / 1e12,
             "loss": float(loss_sum.item() / max(total_tokens, 1.0)),
             "lr": lr,
             "grad_norm": grad_norm,
@@ -276,6 +290,7 @@ class Trainer:
             scheduler=self.scheduler,
             consumed_samples=self.consumed_samples,
             config=self.cfg.to_dict(),
+            keep_last=self.cfg.keep_last,
             extra={
                 **self.masters.state_dict(),
                 **({"loss_scaler": self.scaler.state_dict()} if self.scaler else {}),
@@ -294,9 +309,16 @@ class Trainer:
         # where this run begins: re-runs and resumes append to the same file
         log.write(metrics.start_marker(self.iteration, cfg.to_dict(), self.resumed_from))
         records = []
+        scalars = metrics.Scalars(cfg if first else None)
+        plot = metrics.LivePlot(cfg.log_jsonl if first else None)
+        start, start_iter = time.perf_counter(), self.iteration
         try:
             while self.iteration < cfg.train_iters:
                 rec = self.step()
+                # elapsed since this launch, and the rest at this launch's mean pace
+                rec["elapsed_s"] = time.perf_counter() - start
+                rec["eta_s"] = (rec["elapsed_s"] / (self.iteration - start_iter)
+                                * (cfg.train_iters - self.iteration))
                 last = self.iteration >= cfg.train_iters or (
                     cfg.exit_interval is not None and self.iteration % cfg.exit_interval == 0
                 )
@@ -308,15 +330,22 @@ class Trainer:
                 log.write(rec)
                 if on_record is not None:
                     on_record(rec)
+                scalars.write(rec)
                 if first and (self.iteration % cfg.log_interval == 0 or self.iteration == 1):
                     metrics.say(metrics.progress_line(rec, cfg.train_iters))
+                    plot.draw()
                 done = self.iteration >= cfg.train_iters
                 stop = cfg.exit_interval is not None and self.iteration % cfg.exit_interval == 0
                 periodic = cfg.save_interval is not None and self.iteration % cfg.save_interval == 0
-                if cfg.save and (done or stop or periodic):
+                # --exit-signal-handler: every rank stops after the same iteration
+                signalled = signals.agreed(self.topo.device) if cfg.exit_signal_handler else 0
+                if cfg.save and (done or stop or periodic or signalled):
                     path = self.save()
                     if first:
                         metrics.say(f"saved checkpoint {path}")
+                if signalled and not done:
+                    self.stopped_by = signalled
+                    break
                 if stop and not done:
                     if first:
                         metrics.say(
@@ -325,4 +354,5 @@ class Trainer:
                     break
         finally:
             log.close()
+            scalars.close()
         return records

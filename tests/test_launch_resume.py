@@ -39,7 +39,9 @@ def resumed(tmp_path_factory: pytest.TempPathFactory) -> dict:
             "--eval-iters", "1", "--save", str(ck), "--load", str(ck), "--log-jsonl", str(log)]
     first = _launch([*base, "--train-iters", "6"])
     again = _launch([*base, "--train-iters", "6"])
-    more = _launch([*base, "--train-iters", "8"])
+    # a longer run changes the decay length (--train-iters): Megatron's flag says to keep
+    # the checkpoint's schedule (without it the resume is refused with the difference)
+    more = _launch([*base, "--train-iters", "8", "--use-checkpoint-opt_param-scheduler"])
     return {"first": first, "again": again, "more": more, "ck": ck, "log": log}
 
 
