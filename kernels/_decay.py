@@ -50,6 +50,8 @@ def in_chunk_decay(
     m_D = o_i[:, None] >= o_i[None, :]
     if HAS_G:
         b_g = tl.load(g + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0)
+        # NaN and +inf (poisoned, flagged by the caller) decay nothing; -inf is a cut
+        b_g = tl.where(b_g < float("inf"), b_g, 0.0)
         # seg[t, j] = sum_{j < s <= t} g_s: a cumsum down the rows of g_s [s > j]
         b_seg = tl.cumsum(tl.where(o_i[:, None] > o_i[None, :], b_g[:, None], 0.0), 0)
         b_wc = tl.exp(tl.cumsum(b_g, 0))

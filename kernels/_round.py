@@ -37,3 +37,14 @@ def operand(x, dtype: tl.constexpr, EMULATE: tl.constexpr):
     if EMULATE:
         y = y.to(tl.float32)
     return y
+
+
+@jit_helper
+def finite(x):
+    """``x`` with every NaN and ±inf set to 0: an operand the kernels can sum safely.
+
+    A zero weight must mean nothing, but a dot gives 0 * NaN = NaN: one non-finite
+    value would reach every row it is summed into, across document starts and the
+    causal mask. The kernels compute on clean operands; the autograd glue in
+    :mod:`hla_sp.ops` puts the poison back by flags (``hla_sp.ops.isolation``)."""
+    return tl.where(tl.abs(x) < float("inf"), x, 0.0)

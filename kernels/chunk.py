@@ -25,6 +25,11 @@ exp(A_dest - A_src) * (...), so
     dA_t = q_t . dq_t - k_t . dk_t  (+ <dh_T, h_T> at the last token)
     dg_t = sum_{s >= t} dA_s        (a reverse cumsum, :func:`reverse_cumsum_kernel`)
 
+summed over t's segment only (cut at document starts and log-decays of -inf): the
+terms of a later segment cancel only to rounding. Every kernel computes on clean
+operands (NaN and ±inf read as 0, :func:`hla_sp.kernels._round.finite`); the autograd
+glue in :mod:`hla_sp.ops` puts the poison of non-finite inputs back by flags.
+
 The h0 terms need nothing extra: exp(A_t) q_t^T h0 is inside q_t . dq_t, and
 exp(A_T) h0 is inside <dh_T, h_T>.
 
@@ -289,7 +294,8 @@ def chunk_bwd(
         else:
             d_last = torch.zeros(B, H, dtype=torch.float32, device=q.device)
         dg = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
-        reverse_cumsum_kernel[(B * H,)](dA, d_last, dg, B, T, H, N, NK=NKn, BT=BT)
+        reverse_cumsum_kernel[(B * H,)](dA, d_last, g, resets, dg, B, T, H, N, NK=NKn, BT=BT,
+                                        HAS_R=HAS_R)
     return dq, dk, dv, dg, dh0
 
 
@@ -372,8 +378,11 @@ def chunk_backward(
         dh0 [B, H, K, V] fp32, None where g or h0 is None.
     """
     qp, kp, vp, gp, rp, hp = prepare(q, k, v, g, resets, h0)
-    # do meets v in a dot, so it takes the input dtype (o itself is fp32)
+    # do meets v in a dot, so it takes the input dtype (o itself is fp32); a non-finite
+    # dh_T is cleaned here (d_last reads it outside the kernels), its poison flagged by
+    # the caller
+    dhp = None if dht is None else torch.nan_to_num(dht.float(), nan=0.0, posinf=0.0, neginf=0.0)
     return chunk_bwd(
         qp, kp, vp, gp, rp, hp, do.to(qp.dtype).contiguous(),
-        None if dht is None else dht.float().contiguous(), chunk_tile(chunk_size, qp.dtype),
+        None if dhp is None else dhp.contiguous(), chunk_tile(chunk_size, qp.dtype),
     )

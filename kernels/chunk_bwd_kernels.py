@@ -10,7 +10,7 @@ import triton.language as tl
 
 from ._decay import in_chunk_decay
 from ._jit import lazy_jit
-from ._round import operand, round_to
+from ._round import finite, operand, round_to
 
 
 @lazy_jit
@@ -59,6 +59,7 @@ def chunk_bwd_dv_kernel(
         b_dh = tl.load(p_dh, mask=m_k[:, None] & m_v[None, :], other=0.0)
         if UPCAST:
             b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
+        b_q, b_k = finite(b_q), finite(b_k)  # clean operands (see _round.finite)
         b_At += tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC)
         b_dh = operand(b_dh, q.dtype.element_ty, UPCAST)
         b_dv += tl.dot(b_k, b_dh, input_precision=DOT_PREC)
@@ -66,6 +67,7 @@ def chunk_bwd_dv_kernel(
     b_do = tl.load(do + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
     if UPCAST:
         b_do = b_do.to(tl.float32)
+    b_do = finite(b_do)
     b_AD = operand(b_At * b_Dt, q.dtype.element_ty, UPCAST)
     b_dv = b_dv * b_ws[:, None] + tl.dot(b_AD, b_do, input_precision=DOT_PREC)
     tl.store(dv + p_v, round_to(b_dv, dv.dtype.element_ty, UPCAST),
@@ -127,6 +129,7 @@ def chunk_bwd_dqk_kernel(
         b_dh = tl.load(dhs + p_h, mask=m_k[:, None] & m_v[None, :], other=0.0)
         if UPCAST:
             b_v, b_do = b_v.to(tl.float32), b_do.to(tl.float32)
+        b_v, b_do = finite(b_v), finite(b_do)  # clean operands (see _round.finite)
         b_h = operand(b_h, q.dtype.element_ty, UPCAST)
         b_dh = operand(b_dh, q.dtype.element_ty, UPCAST)
         b_dP += tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
@@ -138,6 +141,7 @@ def chunk_bwd_dqk_kernel(
     b_k = tl.load(k + p_qk, mask=m_qk, other=0.0)
     if UPCAST:
         b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
+    b_q, b_k = finite(b_q), finite(b_k)
     b_dP = operand(b_dP * b_D, q.dtype.element_ty, UPCAST)
     b_dq = b_dq * b_wc[:, None] + tl.dot(b_dP, b_k, input_precision=DOT_PREC)
     b_dk = b_dk * b_ws[:, None] + tl.dot(tl.trans(b_dP), b_q, input_precision=DOT_PREC)
@@ -155,6 +159,8 @@ def chunk_bwd_dqk_kernel(
 def reverse_cumsum_kernel(
     dA,  # [NK, B, T, H] fp32
     d_last,  # [B, H] fp32: <dh_T, h_T>, the last token's extra dA
+    g,  # [B, T, H] fp32 log-decay
+    r,  # [B, T] int32 document starts (HAS_R)
     dg,  # [B, T, H]
     B,
     T,
@@ -162,11 +168,19 @@ def reverse_cumsum_kernel(
     N,
     NK: tl.constexpr,
     BT: tl.constexpr,
+    HAS_R: tl.constexpr,
 ):
-    """dg_t = d_last + sum_{s >= t} sum_k dA[k, s], chunk by chunk from the end."""
+    """dg_t = sum_k dA[k, s] over s >= t in t's segment (+ d_last in the last segment),
+    chunk by chunk from the end.
+
+    Segments are cut at document starts and at log-decays of -inf. Across a cut the
+    later terms sum to zero, but only up to rounding, and they would carry the later
+    segment's values (or a NaN) into an earlier one's gradient: they are left out.
+    """
     i_bh = tl.program_id(0).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     o_i = tl.arange(0, BT)
+    m_later = o_i[None, :] >= o_i[:, None]  # [t, s]: s >= t
     b_carry = tl.load(d_last + i_bh)
     for i in range(N):
         o_t = (N - 1 - i) * BT + o_i
@@ -174,6 +188,16 @@ def reverse_cumsum_kernel(
         b_dA = tl.zeros([BT], dtype=tl.float32)
         for i_k in range(NK):
             b_dA += tl.load(dA + ((i_k * B + i_b) * T + o_t) * H + i_h, mask=m_t, other=0.0)
-        b_dg = tl.cumsum(b_dA, 0, reverse=True) + b_carry
+        b_g = tl.load(g + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0)
+        b_cut = (b_g == float("-inf")).to(tl.int32)
+        if HAS_R:
+            b_cut = b_cut | tl.load(r + i_b * T + o_t, mask=m_t, other=0)
+        b_seg = tl.cumsum(b_cut, 0)  # the segment of each token inside the chunk
+        m_sum = m_later & (b_seg[None, :] == b_seg[:, None])
+        b_dg = tl.sum(tl.where(m_sum, b_dA[None, :], 0.0), 1)
+        # the carry from later chunks reaches the chunk's last segment only
+        b_dg += tl.where(b_seg == tl.max(b_seg, 0), b_carry, 0.0)
         tl.store(dg + (i_b * T + o_t) * H + i_h, b_dg.to(dg.dtype.element_ty), mask=m_t)
-        b_carry += tl.sum(b_dA, 0)
+        # what the earlier chunk's last segment continues: nothing after a cut at 0
+        b_first = tl.sum(tl.where(o_i == 0, b_dg, 0.0), 0)
+        b_carry = tl.where(tl.sum(tl.where(o_i == 0, b_cut, 0), 0) > 0, 0.0, b_first)

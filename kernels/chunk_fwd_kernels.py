@@ -11,7 +11,7 @@ import triton.language as tl
 
 from ._decay import in_chunk_decay
 from ._jit import lazy_jit
-from ._round import operand, round_to
+from ._round import finite, operand, round_to
 
 
 @lazy_jit
@@ -64,6 +64,7 @@ def chunk_state_kernel(
     b_y = tl.load(p_y, mask=m_t[:, None] & m_y[None, :], other=0.0)
     if UPCAST:
         b_x, b_y = b_x.to(tl.float32), b_y.to(tl.float32)
+    b_x, b_y = finite(b_x), finite(b_y)  # a zero weight times NaN is still NaN
     b_xw = operand(b_x * b_w[:, None], x.dtype.element_ty, UPCAST)  # [BT, BX]
     b_s = tl.dot(tl.trans(b_xw), b_y, input_precision=DOT_PREC)  # [BX, BY]
     p_s = out + ((i_bh * N + i_n) * DX + o_x[:, None]) * DY + o_y[None, :]
@@ -110,7 +111,7 @@ def state_passing_kernel(
     m_xy = (o_x[:, None] < DX) & (o_y[None, :] < DY)
     o_xy = o_x[:, None] * DY + o_y[None, :]  # [BX, BY] offsets inside one state
     if HAS_INIT:
-        b_h = tl.load(h_init + i_bh * DX * DY + o_xy, mask=m_xy, other=0.0)
+        b_h = finite(tl.load(h_init + i_bh * DX * DY + o_xy, mask=m_xy, other=0.0))
     else:
         b_h = tl.zeros([BX, BY], dtype=tl.float32)
     for i in range(N):
@@ -174,6 +175,8 @@ def chunk_fwd_o_kernel(
         b_h = tl.load(p_h, mask=m_k[:, None] & m_v[None, :], other=0.0)
         if UPCAST:
             b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
+        # q stays as it is: a non-finite q_t reaches its own row, o_t, only
+        b_k = finite(b_k)
         b_A += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
         b_h = operand(b_h, q.dtype.element_ty, UPCAST)
         b_o += tl.dot(b_q, b_h, input_precision=DOT_PREC)
@@ -181,6 +184,7 @@ def chunk_fwd_o_kernel(
     b_v = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
     if UPCAST:
         b_v = b_v.to(tl.float32)
+    b_v = finite(b_v)
     b_AD = operand(b_A * b_D, q.dtype.element_ty, UPCAST)
     b_o = b_o * b_wc[:, None] + tl.dot(b_AD, b_v, input_precision=DOT_PREC)
     tl.store(o + p_v, round_to(b_o, o.dtype.element_ty, UPCAST), mask=m_t[:, None] & m_v[None, :])

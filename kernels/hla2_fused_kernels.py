@@ -10,7 +10,7 @@ import triton.language as tl
 
 from ._decay import in_chunk_decay
 from ._jit import lazy_jit
-from ._round import operand, round_to
+from ._round import finite, operand, round_to
 
 
 @lazy_jit
@@ -53,11 +53,13 @@ def fused_hla2_fwd_kernel(
     m_kv = m_k[:, None] & m_v[None, :]
     # b_S: [BK, BK], b_H: [BK, BV], both fp32
     if HAS_S0:
-        b_S = tl.load(S0 + (i_bh * K + o_k[:, None]) * K + o_k[None, :], mask=m_kk, other=0.0)
+        b_S = finite(tl.load(S0 + (i_bh * K + o_k[:, None]) * K + o_k[None, :], mask=m_kk,
+                                   other=0.0))
     else:
         b_S = tl.zeros([BK, BK], dtype=tl.float32)
     if HAS_H0:
-        b_H = tl.load(H0 + (i_bh * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.0)
+        b_H = finite(tl.load(H0 + (i_bh * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv,
+                                   other=0.0))
     else:
         b_H = tl.zeros([BK, BV], dtype=tl.float32)
     for i_n in range(N):
@@ -72,6 +74,7 @@ def fused_hla2_fwd_kernel(
         b_v = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
         if UPCAST:
             b_q, b_k, b_v = b_q.to(tl.float32), b_k.to(tl.float32), b_v.to(tl.float32)
+        b_q, b_k, b_v = finite(b_q), finite(b_k), finite(b_v)
         # stage 1: k~ [BT, BK] in fp32, kept on chip
         b_A = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * b_D
         b_kt = tl.dot(operand(b_A, q.dtype.element_ty, UPCAST), b_k, input_precision=DOT_PREC)
@@ -146,6 +149,7 @@ def hla2_state_kernel(
         b_S = tl.load(p_S, mask=m_k[:, None] & m_x[None, :], other=0.0)
         if UPCAST:
             b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
+        b_q, b_k = finite(b_q), finite(b_k)
         b_A += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
         b_qS += tl.dot(b_q, operand(b_S, q.dtype.element_ty, UPCAST), input_precision=DOT_PREC)
     p_x = ((i_b * T + o_t[:, None]) * H + i_h) * K + o_x[None, :]  # [BT, BK]
@@ -155,6 +159,7 @@ def hla2_state_kernel(
     b_v = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
     if UPCAST:
         b_qx, b_kx, b_v = b_qx.to(tl.float32), b_kx.to(tl.float32), b_v.to(tl.float32)
+    b_qx, b_kx, b_v = finite(b_qx), finite(b_kx), finite(b_v)
     b_AD = operand(b_A * b_D, q.dtype.element_ty, UPCAST)
     b_kt = tl.dot(b_AD, b_kx, input_precision=DOT_PREC) + b_wc[:, None] * b_qS
     b_kt += ridge * b_qx.to(tl.float32)  # k~[:, x], [BT, BK] fp32
@@ -209,6 +214,7 @@ def hla2_fwd_o_kernel(
         b_k = tl.load(k + p_qk, mask=m_t[:, None] & m_k[None, :], other=0.0)
         if UPCAST:
             b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
+        b_q, b_k = finite(b_q), finite(b_k)
         b_A += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
     b_AD = operand(b_A * b_D, q.dtype.element_ty, UPCAST)  # [BT, BT] dot operand
 
@@ -222,6 +228,7 @@ def hla2_fwd_o_kernel(
         b_kx = tl.load(k + p_x, mask=m_t[:, None] & m_x[None, :], other=0.0)
         if UPCAST:
             b_qx, b_kx = b_qx.to(tl.float32), b_kx.to(tl.float32)
+        b_qx, b_kx = finite(b_qx), finite(b_kx)
         # k~[:, x] = ((q k^T) * D) k[:, x] + wc * (q S_in)[:, x] + ridge q[:, x]
         b_qS = tl.zeros([BT, BK], dtype=tl.float32)
         for i_k in range(NK):
@@ -231,6 +238,7 @@ def hla2_fwd_o_kernel(
             b_q = tl.load(q + p_qk, mask=m_t[:, None] & m_k[None, :], other=0.0)
             if UPCAST:
                 b_q = b_q.to(tl.float32)
+            b_q = finite(b_q)
             p_S = Ss + ((i_bh * N + i_n) * K + o_k[:, None]) * K + o_x[None, :]
             b_S = tl.load(p_S, mask=m_k[:, None] & m_x[None, :], other=0.0)
             b_S = operand(b_S, q.dtype.element_ty, UPCAST)
@@ -246,6 +254,7 @@ def hla2_fwd_o_kernel(
     b_v = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
     if UPCAST:
         b_v = b_v.to(tl.float32)
+    b_v = finite(b_v)
     b_BD = operand(b_Bm * b_D, q.dtype.element_ty, UPCAST)
     b_o = b_o * b_wc[:, None] + tl.dot(b_BD, b_v, input_precision=DOT_PREC)
     tl.store(o + p_v, round_to(b_o, o.dtype.element_ty, UPCAST), mask=m_t[:, None] & m_v[None, :])

@@ -24,9 +24,12 @@ holds; rank 0 adds those carried in).
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import maybe_get_fake_mode, unset_fake_temporarily
 
 from hla_sp.parallel import exchange, halo
 from hla_sp.parallel.plan import Plan
@@ -69,13 +72,28 @@ class _Layout:
         return out
 
 
+def _host() -> AbstractContextManager:
+    """Where the host index tables are built: real tensors even under a FakeTensorMode
+    (they come from Python ints, and a fake one could not be read back)."""
+    return unset_fake_temporarily()
+
+
+def _on(rows: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    """A host index table where ``buf`` is: a fake tensor of buf's mode when buf is fake."""
+    mode = maybe_get_fake_mode(buf)
+    return (rows if mode is None else mode.from_tensor(rows)).to(buf.device)
+
+
 def _read(buf: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """buf [B, R, C] at ``rows`` [T] (host int64): a slice when the rows are consecutive,
     else a gather."""
     T = rows.numel()
-    if T and bool((rows == rows[0] + torch.arange(T)).all()):
-        return buf.narrow(1, int(rows[0]), T)
-    return buf.index_select(1, rows.to(buf.device))
+    with _host():
+        first = int(rows[0]) if T else 0
+        consecutive = T > 0 and bool((rows == first + torch.arange(T)).all())
+    if consecutive:
+        return buf.narrow(1, first, T)
+    return buf.index_select(1, _on(rows, buf))
 
 
 class ShortConv(nn.Module):
@@ -144,7 +162,8 @@ class ShortConv(nn.Module):
         """
         B, T, C = x.shape
         W = self.kernel_size
-        lay = _Layout(T, bounds, plan, x.device)
+        with _host():
+            lay = _Layout(T, bounds, plan, x.device)
         N = len(lay.starts) if bounds is not None else B
         if state is not None and tuple(state.shape) != (N, W - 1, C):
             raise ValueError(f"initial_state: expected a conv state of shape {(N, W - 1, C)}, "
@@ -165,14 +184,16 @@ class ShortConv(nn.Module):
         halo_rows = parts[-1].shape[1] if plan is not None else 0
         parts.append(x.new_zeros(B, 1, C))
         buf = torch.cat(parts, dim=1)
-        doc = torch.searchsorted(torch.tensor(lay.starts, dtype=torch.long), lay.pos,
-                                 right=True) - 1
-        src = lay.pos[:, None] - torch.arange(W)[None, :]  # [T, W]: tap d reads t - d
-        index = lay.rows(src, doc[:, None].expand(-1, W), T, halo_rows, W)
+        with _host():
+            doc = torch.searchsorted(torch.tensor(lay.starts, dtype=torch.long), lay.pos,
+                                     right=True) - 1
+            src = lay.pos[:, None] - torch.arange(W)[None, :]  # [T, W]: tap d reads t - d
+            index = lay.rows(src, doc[:, None].expand(-1, W), T, halo_rows, W)
+            taps = [index[:, d] for d in range(W)]
         weight = self.weight.to(x.dtype)
         acc = None
         for d in range(W):
-            tap = _read(buf, index[:, d])
+            tap = _read(buf, taps[d])
             acc = tap * weight[:, d] if acc is None else torch.addcmul(acc, tap, weight[:, d])
         y = F.silu(acc)
         final = None
@@ -189,23 +210,28 @@ class ShortConv(nn.Module):
         all-reduce sums them."""
         plan = lay.plan
         n_docs = len(lay.starts)
-        starts = torch.tensor(lay.starts, dtype=torch.long)[:, None]
-        src = torch.tensor(lay.ends, dtype=torch.long)[:, None] - (W - 1) + torch.arange(W - 1)
-        doc = torch.arange(n_docs)[:, None].expand(-1, W - 1)
-        before = src < starts
-        held = torch.zeros_like(before)
-        for s, n, _ in lay.pieces:
-            held |= (src >= s) & (src < s + n)
-        keep = held | (before & (plan is None or plan.rank == 0))
-        # A position kept by another rank reads a harmless row here (one before the
-        # document's start: its carried state or zero) and is masked out.
-        src = torch.where(keep, src, starts - 1)
-        rows = lay.rows(src, doc, T, halo_rows, W).reshape(-1).to(buf.device)
-        w = keep.reshape(-1, 1).to(buf.dtype).to(buf.device)
+        with _host():
+            starts = torch.tensor(lay.starts, dtype=torch.long)[:, None]
+            src = (torch.tensor(lay.ends, dtype=torch.long)[:, None] - (W - 1)
+                   + torch.arange(W - 1))
+            doc = torch.arange(n_docs)[:, None].expand(-1, W - 1)
+            before = src < starts
+            held = torch.zeros_like(before)
+            for s, n, _ in lay.pieces:
+                held |= (src >= s) & (src < s + n)
+            keep = held | (before & (plan is None or plan.rank == 0))
+            # A position kept by another rank reads a harmless row here (one before the
+            # document's start: its carried state or zero) and is left out.
+            src = torch.where(keep, src, starts - 1)
+            rows = lay.rows(src, doc, T, halo_rows, W).reshape(-1)
+        rows, keep = _on(rows, buf), _on(keep.reshape(-1, 1), buf)
+        # A select, not a product with the keep mask: what another rank holds is left out
+        # even when the row read here holds a NaN (0 * NaN would be NaN, summed over ranks).
         if n_docs == 1 and N == B:  # one sequence per row
-            final = buf.index_select(1, rows) * w
+            final = torch.where(keep, buf.index_select(1, rows), 0.0)
         else:  # packed documents (B == 1)
-            final = (buf[0].index_select(0, rows) * w).view(N, W - 1, buf.shape[-1])
+            final = torch.where(keep, buf[0].index_select(0, rows), 0.0).view(
+                N, W - 1, buf.shape[-1])
         if plan is not None:
             final = exchange.all_reduce(plan, final)
         return final

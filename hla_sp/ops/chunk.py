@@ -37,6 +37,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hla_sp.ops.isolation import (
+    bad_state,
+    bad_tokens,
+    cuts,
+    finite,
+    finite_decay,
+    poison_grads,
+    poison_outputs,
+    poisoned_prefix,
+)
 from hla_sp.ops.precision import compute_dtype
 
 Tensor = torch.Tensor
@@ -81,6 +91,9 @@ class _Chunks:
     ws: [B, H, N, C] weight of token j in its chunk's summary, exp(b_C - b_j).
         wc and ws are None when they are all ones (no decay, no document start).
     p: [B, H, N] pass factor of each chunk, exp(b_C) (0 when the chunk holds a start).
+    seg: [B, H, N, C] (or [B, 1, N, C]) the segment of each token inside its chunk, the
+        number of cuts (document starts, log-decays of -inf) up to it; None when there
+        can be none (no decay, no document start).
     """
 
     qc: Tensor  # any of qc, kc, vc is None when prepared without it
@@ -92,6 +105,7 @@ class _Chunks:
     p: Tensor
     T: int
     pad: int
+    seg: Tensor | None = None
 
 
 def _weighted(x: Tensor, w: Tensor | None) -> Tensor:
@@ -107,30 +121,38 @@ def _heads_first(x: Tensor, B: int, N: int, C: int, H: int) -> Tensor:
 
 def _prepare(
     q: Tensor | None, k: Tensor | None, v: Tensor | None, g: Tensor | None,
-    resets: Tensor | None, C: int, intra: bool = True,
+    resets: Tensor | None, C: int, intra: bool = True, clean_q: bool = True,
 ) -> _Chunks:
     """Cut a block into chunks; ``intra=False`` skips D (the [C, C] in-chunk decays,
     the costly part), for passes that only touch the states, and a None among q, k, v
-    skips that tensor's heads-first copy (its field is then None)."""
+    skips that tensor's heads-first copy (its field is then None).
+
+    The copies are clean (:mod:`hla_sp.ops.isolation`): non-finite entries are 0, and
+    a NaN or +inf log-decay is 0; the callers put the poison back by flags. A forward
+    may pass ``clean_q=False``: a non-finite q_t only reaches o_t, which it should."""
     ref = next(x for x in (q, k, v) if x is not None)
     B, T, H, _ = ref.shape
     N = -(-T // C)
     pad = N * C - T
     cdt = compute_dtype(ref.dtype)
 
-    def cut(x: Tensor | None) -> Tensor | None:
+    def cut(x: Tensor | None, clean: bool = True) -> Tensor | None:
         if x is None:
             return None
-        x = x.to(cdt)
+        y = x.to(cdt)
         if pad:
             # Padding at the end with q = k = v = 0 and g = 0 leaves the state unchanged.
-            x = F.pad(x, (0, 0, 0, 0, 0, pad))
-        return _heads_first(x, B, N, C, H)
+            y = F.pad(y, (0, 0, 0, 0, 0, pad))
+        y = _heads_first(y, B, N, C, H)
+        # a zero weight must mean nothing, and a matmul gives 0 * NaN = NaN: clean the
+        # operands (in place on the copy just made)
+        return finite(y, x) if clean else y
 
-    qc, kc, vc = cut(q), cut(k), cut(v)
+    qc, kc, vc = cut(q, clean_q), cut(k), cut(v)
     q = ref.to(cdt)  # for the factories below
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     D: Tensor | None = None
+    seg: Tensor | None = None
     if g is None:
         if intra:
             D = causal.to(cdt).expand(B, H, N, C, C)
@@ -138,25 +160,29 @@ def _prepare(
         p = q.new_ones(B, H, N)
     else:
         gg = F.pad(g.to(cdt), (0, 0, 0, pad)) if pad else g.to(cdt)
-        gc = gg.reshape(B, N, C, H).permute(0, 3, 1, 2).contiguous()  # [B, H, N, C]
+        gc = finite_decay(gg.reshape(B, N, C, H).permute(0, 3, 1, 2))  # [B, H, N, C]
         if intra:
             D = torch.exp(segsum(gc))  # [B, H, N, C, C]
         wc = torch.exp(gc.cumsum(-1))  # a prefix sum from the chunk start: no cancellation
         # exp(sum_{i > j} g_i), a suffix sum from the chunk end: no cancellation either
         ws = torch.exp(F.pad(gc[..., 1:].flip(-1).cumsum(-1).flip(-1), (0, 1)))
         p = wc[..., -1]
+        seg = (gc == float("-inf")).cumsum(-1)  # hard resets
     if resets is not None:
         r = resets.to(torch.bool)
         if pad:
             r = F.pad(r, (0, pad))
         c = r.view(B, N, C).long().cumsum(-1)[:, None]  # starts seen so far in the chunk
+        seg = c if seg is None else seg + c
+        # selects, not products: a masked weight is 0 whatever it would have been
         if D is not None:
-            D = D * (causal & (c[..., :, None] == c[..., None, :]))
+            keep = causal & (c[..., :, None] == c[..., None, :])  # [B, 1, N, C, C]
+            D = D.masked_fill_(~keep, 0.0) if g is not None else keep.to(cdt).expand_as(D)
         ones = q.new_ones(B, H, N, C)
-        ws = (ones if ws is None else ws) * (c == c[..., -1:])
-        wc = (ones if wc is None else wc) * (c == 0)
-        p = p * (c[..., -1] == 0)
-    return _Chunks(qc, kc, vc, D, wc, ws, p, T, pad)
+        ws = torch.where(c == c[..., -1:], ones if ws is None else ws, 0.0)
+        wc = torch.where(c == 0, ones if wc is None else wc, 0.0)
+        p = torch.where(c[..., -1] == 0, p, 0.0)
+    return _Chunks(qc, kc, vc, D, wc, ws, p, T, pad, seg)
 
 
 def _addmm(acc: Tensor, a: Tensor, b: Tensor) -> Tensor:
@@ -232,14 +258,15 @@ def chunk_forward(
     B, T, H, K = q.shape
     V = v.shape[-1]
     cdt = compute_dtype(q.dtype)
-    h = torch.zeros(B, H, K, V, dtype=cdt, device=q.device) if h0 is None else h0.to(cdt)
+    # clean, and never an alias of h0 (the caller puts a non-finite h0's poison back)
+    h = torch.zeros(B, H, K, V, dtype=cdt, device=q.device) if h0 is None else finite(h0.to(cdt))
     if T == 0:  # an empty shard: no outputs, and the carry passes through unchanged
-        return q.new_zeros(B, 0, H, V, dtype=cdt), h.clone()  # never an alias of h0
+        return q.new_zeros(B, 0, H, V, dtype=cdt), h
     o = q.new_empty(B, T, H, V, dtype=cdt)
     with torch.no_grad():
         for t0, t1 in _blocks(T, chunk_size, B * H * (K + V)):
             ch = _prepare(q[:, t0:t1], k[:, t0:t1], v[:, t0:t1], _part(g, t0, t1),
-                          _part(resets, t0, t1), chunk_size)
+                          _part(resets, t0, t1), chunk_size, clean_q=False)
             h_in, h = _incoming_states(ch, h)
             attn = (ch.qc @ ch.kc.transpose(-1, -2)).mul_(ch.D)  # [B, H, N, C, C]
             ob = _addmm(attn @ ch.vc, _weighted(ch.qc, ch.wc), h_in)
@@ -277,7 +304,7 @@ def _local_grads(
         db = dL.sum(-1) - dL.sum(-2)  # on b_t as the later end, minus as the earlier
         del dL
         db += (_weighted(ch.qc, ch.wc) * dq_carry).sum(-1)  # the carry weight exp(b_t)
-        dg = db.flip(-1).cumsum(-1).flip(-1)  # g_i enters b_t for every t >= i
+        dg = _segment_suffix_sums(db, ch.seg)  # g_i enters b_t for every t >= i
     del A
     dQK = dA.mul_(ch.D)
     if ch.wc is not None:
@@ -285,6 +312,20 @@ def _local_grads(
     dq = _addmm(dq_carry, dQK, ch.kc)
     dk = dQK.transpose(-1, -2) @ ch.qc
     return dq, dk, dv, dg
+
+
+def _segment_suffix_sums(x: Tensor, seg: Tensor | None) -> Tensor:
+    """out[..., i] = sum of x[..., t] over t >= i in i's segment, per chunk ([..., C]).
+
+    Across a cut the terms of a later segment sum to zero, but only up to rounding,
+    and would carry that segment's values (or a NaN) into the earlier one's gradient:
+    with cuts they are left out by a select, not cancelled."""
+    if seg is None:
+        return x.flip(-1).cumsum(-1).flip(-1)
+    C = x.shape[-1]
+    later = torch.ones(C, C, dtype=torch.bool, device=x.device).triu()  # [i, t]: t >= i
+    keep = later & (seg[..., :, None] == seg[..., None, :])
+    return torch.where(keep, x[..., None, :], 0.0).sum(-1)
 
 
 def _state_grads(
@@ -354,7 +395,7 @@ def chunk_backward(
     V = v.shape[-1]
     cdt = compute_dtype(q.dtype)
     C = chunk_size
-    dh = torch.zeros(B, H, K, V, dtype=cdt, device=q.device) if dht is None else dht.to(cdt)
+    dh = torch.zeros(B, H, K, V, dtype=cdt, device=q.device) if dht is None else finite(dht.to(cdt))
     if T == 0:
         zq, zv = q.new_zeros(B, 0, H, K, dtype=cdt), q.new_zeros(B, 0, H, V, dtype=cdt)
         dg = None if g is None else q.new_zeros(B, 0, H, dtype=cdt)
@@ -367,7 +408,8 @@ def chunk_backward(
                         _part(g, t0, t1), _part(resets, t0, t1), C, intra=not states_only)
 
     with torch.no_grad():
-        h = torch.zeros(B, H, K, V, dtype=cdt, device=q.device) if h0 is None else h0.to(cdt)
+        h = (torch.zeros(B, H, K, V, dtype=cdt, device=q.device) if h0 is None
+             else finite(h0.to(cdt)))
         entries = []
         for t0, t1 in blocks[:-1]:
             entries.append(h)
@@ -383,7 +425,7 @@ def chunk_backward(
             d = do[:, t0:t1].to(cdt)
             if ch.pad:
                 d = F.pad(d, (0, 0, 0, 0, 0, ch.pad))
-            doc = _heads_first(d, B, N, C, H)  # [B, H, N, C, V]
+            doc = finite(_heads_first(d, B, N, C, H), do)  # [B, H, N, C, V]
             bq, bk, bv, bg, dh = _block_backward(ch, h_entry, doc, dh, g is not None)
             dq[:, t0:t1] = _to_tokens(bq, t1 - t0)
             dk[:, t0:t1] = _to_tokens(bk, t1 - t0)
@@ -403,12 +445,15 @@ class _ChunkFunction(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:
         ctx.save_for_backward(q, k, v, g, resets, h0)
         ctx.chunk_size = chunk_size
-        return chunk_forward(q, k, v, g, resets, h0, chunk_size)
+        o, h = chunk_forward(q, k, v, g, resets, h0, chunk_size)
+        poison_outputs(o, h, k, v, g, resets, h0)
+        return o, h
 
     @staticmethod
     def backward(ctx: Any, do: Tensor, dht: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         q, k, v, g, resets, h0 = ctx.saved_tensors
         dq, dk, dv, dg, dh0 = chunk_backward(q, k, v, g, resets, h0, do, dht, ctx.chunk_size)
+        poison_grads([dq, dk, dv, dg], dh0, q, k, v, g, resets, h0, do, dht)
         return (
             dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
             None if dg is None else dg.to(g.dtype), None,
@@ -458,16 +503,24 @@ def segment_summary(
         a: [B, H], the segment's total log-decay A_L.
     """
     cdt = compute_dtype(k.dtype)
-    k, v = k.to(cdt), v.to(cdt)
     B, _L, H, _ = k.shape
+    # clean operands, the poison put back by a flag (hla_sp.ops.isolation): a token cut
+    # off by a later hard reset has weight 0, and 0 * NaN would still be NaN
+    reach = poisoned_prefix(bad_tokens(k, v, g), cuts(None, g, k))[:, -1] if _L else None
+    k, v = finite(k.to(cdt)), finite(v.to(cdt))
     if g is None:
-        return torch.einsum("blhk,blhv->bhkv", k, v), torch.zeros(B, H, dtype=cdt, device=k.device)
-    # exp(A_L - A_j) as the exp of a suffix sum: A_L - A_j cancels catastrophically
-    # in fp32 once |A_L| is large (a long shard: |A_L| ~ 1e4 costs ~1e-3 relative).
-    suffix = g.to(cdt).flip(1).cumsum(1).flip(1)  # [B, L, H]: sum_{i >= j} g_i
-    total = suffix[:, 0]
-    w = torch.exp(F.pad(suffix[:, 1:], (0, 0, 0, 1)))  # sum_{i > j} g_i
-    return torch.einsum("blhk,blhv->bhkv", k * w[..., None], v), total
+        h = torch.einsum("blhk,blhv->bhkv", k, v)
+        total = torch.zeros(B, H, dtype=cdt, device=k.device)
+    else:
+        # exp(A_L - A_j) as the exp of a suffix sum: A_L - A_j cancels catastrophically
+        # in fp32 once |A_L| is large (a long shard: |A_L| ~ 1e4 costs ~1e-3 relative).
+        suffix = finite_decay(g.to(cdt)).flip(1).cumsum(1).flip(1)  # sum_{i >= j} g_i
+        total = suffix[:, 0]
+        w = torch.exp(F.pad(suffix[:, 1:], (0, 0, 0, 1)))  # sum_{i > j} g_i
+        h = torch.einsum("blhk,blhv->bhkv", k * w[..., None], v)
+    if reach is not None:
+        h = torch.where(reach[..., None, None], float("nan"), h)
+    return h, total
 
 
 def with_carry_terms(
@@ -497,7 +550,12 @@ def carry_term(q: torch.Tensor, g: torch.Tensor | None, h0: torch.Tensor) -> tor
         [B, L, H, V] in the compute dtype.
     """
     cdt = compute_dtype(q.dtype)
-    out = torch.einsum("blhk,bhkv->blhv", q.to(cdt), h0.to(cdt))
+    # clean operands (a q_t after a hard reset must not bring a NaN into h0's gradient),
+    # and a non-finite h0's poison put back on the tokens it reaches
+    out = torch.einsum("blhk,bhkv->blhv", finite(q.to(cdt)), finite(h0.to(cdt)))
+    reach = bad_state(h0)[:, None]  # [B, 1, H]
     if g is not None:
-        out = out * torch.exp(g.to(cdt).cumsum(1))[..., None]
-    return out
+        A = finite_decay(g.to(cdt)).cumsum(1)
+        out = out * torch.exp(A)[..., None]
+        reach = reach & ~torch.isneginf(A)  # up to the first hard reset
+    return torch.where(reach[..., None], float("nan"), out)

@@ -57,6 +57,15 @@ from hla_sp.ops.chunk import (
     _tokens_of_chunk_values,
     _weighted,
 )
+from hla_sp.ops.isolation import (
+    bad_rows,
+    bad_state,
+    bad_tokens,
+    cuts,
+    finite,
+    poison_segments,
+    poisoned_prefix,
+)
 from hla_sp.ops.precision import compute_dtype
 
 Tensor = torch.Tensor
@@ -102,6 +111,13 @@ class SplitChunks:
         # drops what the next does not use.
         self.cut: list[_Chunks] | None = None
         self.docs: list[Tensor] | None = None  # [B, H, Nb, C, V] dO cut into chunks
+        # Isolation (hla_sp.ops.isolation): the chunks are clean copies, and the poison
+        # of non-finite inputs goes back by these [B, L, H] flags.
+        self.bad = bad_tokens(k, v, g)  # reaches the later outputs of its segment
+        self.bad_q = bad_rows(q)  # reaches its own output
+        self.bad_do: Tensor | None = None
+        self.seg_cut = cuts(resets, g, k)
+        self.init_bad: Tensor | None = None  # [B, H]: a non-finite carried-in state
 
     def _chunks(self, t0: int, t1: int, intra: bool, need: str = "qkv") -> _Chunks:
         """The block [t0, t1) cut into chunks, with heads-first copies of ``need`` only."""
@@ -135,8 +151,18 @@ class SplitChunks:
     # forward -----------------------------------------------------------------------
 
     def summary(self) -> Tensor:
-        """Step 1: the shard's state from a zero state, [B, H, K, V] (a new tensor)."""
-        return self._states().contiguous()
+        """Step 1: the shard's state from a zero state, [B, H, K, V] (a new tensor), NaN
+        where a non-finite input of its last segment reaches it."""
+        h = self._states().contiguous()
+        return h.masked_fill_(poisoned_prefix(self.bad, self.seg_cut)[:, -1, :, None, None],
+                              float("nan"))
+
+    def _clean_init(self, h_init: Tensor | None) -> Tensor | None:
+        """h_init cleaned, its poison kept as a flag (``init_bad``)."""
+        if h_init is None:
+            return None
+        self.init_bad = bad_state(h_init)
+        return finite(h_init)
 
     def intra(self) -> None:
         """Step 2: the in-chunk outputs, per block [B, H, Nb, C, V]."""
@@ -153,6 +179,7 @@ class SplitChunks:
         """Step 3: o [B, L, H, V] with the carry-in state h_init [B, H, K, V] (or None)."""
         if self.o is None:
             self.intra()
+        h_init = self._clean_init(h_init)
         cp = _products(self.p)
         o = self.q.new_empty(self.B, self.L, self.H, self.V)
         for i, (t0, t1) in enumerate(self.blocks):
@@ -161,7 +188,8 @@ class SplitChunks:
             self.o[i] = self.cut[i] = None
             o[:, t0:t1] = _to_tokens(ob, t1 - t0)
         self.h_in0 = self.p = self.o = self.cut = None
-        return o
+        reach = poisoned_prefix(self.bad, self.seg_cut, self.init_bad) | self.bad_q
+        return o.masked_fill_(reach[..., None], float("nan"))
 
     # backward ----------------------------------------------------------------------
 
@@ -169,11 +197,12 @@ class SplitChunks:
         d = self.do[:, t0:t1].to(self.cdt)
         if ch.pad:
             d = F.pad(d, (0, 0, 0, 0, 0, ch.pad))
-        return _heads_first(d, self.B, ch.p.shape[2], self.C, self.H)
+        return finite(_heads_first(d, self.B, ch.p.shape[2], self.C, self.H), self.do)
 
     def carry_grad(self, do: Tensor) -> Tensor:
         """Backward step 1: d h_init [B, H, K, V] from the outputs' cotangent do."""
         self.do = do
+        self.bad_do = bad_rows(do)
         n = len(self.blocks)
         self.dh_in, self.cut, self.docs = [None] * n, [None] * n, [None] * n
         dh = None
@@ -190,6 +219,7 @@ class SplitChunks:
         """Backward step 2: the terms that need only dO (after :meth:`carry_grad`)."""
         B, L, H = self.B, self.L, self.H
         want_dg = self.g is not None
+        h_init = self._clean_init(h_init)
         dq = self.q.new_empty(B, L, H, self.K)
         partial: list[tuple[Tensor, Tensor, Tensor | None]] = []
         self.h_in0, self.p, self.dlp_init = [], [], []
@@ -232,8 +262,12 @@ class SplitChunks:
     def finish(self, dS: Tensor | None) -> list[Tensor | None]:
         """Backward step 3: with dS [B, H, K, V], the gradient of :meth:`summary`'s state,
         the whole gradients dq, dk, dv [B, L, H, *] and dg [B, L, H] (None without g).
-        Without steps 1-2 (the outputs had no gradient) the local terms are 0."""
+        Without steps 1-2 (the outputs had no gradient) the local terms are 0.
+        Every gradient of a segment that holds a non-finite input is NaN."""
         B, L, H = self.B, self.L, self.H
+        last = bad_state(dS)
+        if dS is not None:
+            dS = finite(dS)
         if self.grads is None:
             self._states()
             self.dlp_init = []
@@ -265,6 +299,10 @@ class SplitChunks:
             if dg is not None:
                 dg[:, t0:t1] = _tokens_of_chunk_values(bg, t1 - t0)
         self.h_in0 = self.p = self.dh_in = self.grads = self.dlp_init = self.cut = None
+        bad = self.bad | self.bad_q
+        if self.bad_do is not None:
+            bad |= self.bad_do
+        poison_segments([dq, dk, dv, dg], [], bad, self.seg_cut, self.init_bad, last)
         return [dq, dk, dv, dg]
 
 

@@ -32,6 +32,7 @@ import torch
 
 from hla_sp.ops.chunk import chunk_backward, chunk_forward
 from hla_sp.ops.dispatch import backend_for, triton_chunk_backward, triton_chunk_forward
+from hla_sp.ops.isolation import poison_grads, poison_outputs
 from hla_sp.ops.precision import compute_dtype
 
 Tensor = torch.Tensor
@@ -53,11 +54,17 @@ def chunk_linear_attention_op(
     chunk_size: int,
     backend: str,
 ) -> tuple[Tensor, Tensor]:
-    """The chunk scan of ``backend`` ("torch" or "triton"), in the compute dtype."""
+    """The chunk scan of ``backend`` ("torch" or "triton"), in the compute dtype.
+
+    Both backends compute on clean operands; the poison of non-finite inputs is put
+    back here, by flags (:mod:`hla_sp.ops.isolation`)."""
     if backend == "triton":
-        return triton_chunk_forward(q, k, v, g, resets, h0, chunk_size)
-    # Contiguous and never an alias of h0, as the fake and the operator rules require.
-    return chunk_forward(q, k, v, g, resets, h0, chunk_size)
+        o, h = triton_chunk_forward(q, k, v, g, resets, h0, chunk_size)
+    else:
+        # Contiguous and never an alias of h0, as the fake and the operator rules require.
+        o, h = chunk_forward(q, k, v, g, resets, h0, chunk_size)
+    poison_outputs(o, h, k, v, g, resets, h0)
+    return o, h
 
 
 @chunk_linear_attention_op.register_fake
@@ -92,6 +99,7 @@ def chunk_linear_attention_bwd_op(
         )
     else:
         dq, dk, dv, dg, dh0 = chunk_backward(q, k, v, g, resets, h0, do, dht, chunk_size)
+    poison_grads([dq, dk, dv, dg], dh0, q, k, v, g, resets, h0, do, dht)
     # Contiguous, in the inputs' dtypes: exactly what the fake below promises.
     # (Two distinct empties: outputs of an operator may not alias each other.)
     dg = q.new_empty(0) if dg is None else dg.to(g.dtype).contiguous()

@@ -29,6 +29,15 @@ from hla_sp.ops.dispatch import (
     triton_fused_hla2_forward,
     triton_unavailable_reason,
 )
+from hla_sp.ops.isolation import (
+    bad_rows,
+    bad_state,
+    bad_tokens,
+    cuts,
+    either,
+    poison_segments,
+    poisoned_prefix,
+)
 from hla_sp.ops.linear_attention import DEFAULT_CHUNK_SIZE
 
 Tensor = torch.Tensor
@@ -50,6 +59,7 @@ class FusedHLA2Function(torch.autograd.Function):
         o, S_T, H_T = triton_fused_hla2_forward(
             q, k, v, g, resets, S0, H0, ridge, chunk_size, mode
         )
+        _poison_outputs(o, S_T, H_T, q, k, v, g, resets, S0, H0)
         ctx.save_for_backward(q, k, v, g, resets, S0, H0)
         ctx.ridge, ctx.chunk_size = ridge, chunk_size
         ctx.set_materialize_grads(False)
@@ -65,7 +75,35 @@ class FusedHLA2Function(torch.autograd.Function):
         dq, dk, dv, dg, dS0, dH0 = triton_fused_hla2_backward(
             q, k, v, g, resets, S0, H0, ctx.ridge, do, dS_T, dH_T, ctx.chunk_size
         )
+        # the kernels compute on clean operands: the poison goes back by flags
+        bad = None
+        if q.shape[1]:
+            bad = bad_tokens(k, v, g) | bad_rows(q) | bad_rows(do)
+        poison_segments([dq, dk, dv, dg], [dS0, dH0], bad, cuts(resets, g, k),
+                        either(bad_state(S0), bad_state(H0)),
+                        either(bad_state(dS_T), bad_state(dH_T)))
         return dq, dk, dv, _like(dg, g), None, _like(dS0, S0), _like(dH0, H0), None, None, None
+
+
+def _poison_outputs(
+    o: Tensor, S_T: Tensor, H_T: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None,
+    resets: Tensor | None, S0: Tensor | None, H0: Tensor | None,
+) -> None:
+    """In place: NaN where the poison of non-finite inputs reaches (the kernels compute
+    on clean operands, :mod:`hla_sp.ops.isolation`). Stage 1's keys and values are k;
+    stage 2's key k~_t = S_t q_t is poisoned where stage 1's state is, or q_t is."""
+    if q.shape[1] == 0:
+        S_bad, H_bad = bad_state(S0), bad_state(H0)
+        for x, flag in ((S_T, S_bad), (H_T, either(S_bad, H_bad))):
+            if flag is not None:
+                x.masked_fill_(flag[..., None, None], float("nan"))
+        return
+    cut = cuts(resets, g, k)
+    stage1 = poisoned_prefix(bad_tokens(k, k, g), cut, bad_state(S0))
+    stage2 = poisoned_prefix(stage1 | bad_rows(q) | bad_rows(v), cut, bad_state(H0))
+    o.masked_fill_(stage2[..., None], float("nan"))
+    S_T.masked_fill_(stage1[:, -1, :, None, None], float("nan"))
+    H_T.masked_fill_(stage2[:, -1, :, None, None], float("nan"))
 
 
 def fused_hla2_chunk(

@@ -18,6 +18,7 @@ import torch
 from hla_sp.ops import validate
 from hla_sp.ops.chunk import document_resets, segment_summary, with_carry_terms
 from hla_sp.ops.custom_op import chunk_impl
+from hla_sp.ops.isolation import carry_into, finite_decay
 from hla_sp.ops.sharding import SequenceParallelism
 
 DEFAULT_CHUNK_SIZE = 64
@@ -74,17 +75,17 @@ def local_primitive(
         for i, (s, e) in enumerate(docs[:-1]):
             h, a = segment_summary(k[:, s:e], v[:, s:e], piece(g, s, e))
             if h0 is not None:
-                h = h + torch.exp(a)[..., None, None] * h0[i : i + 1].to(h.dtype)
+                h = carry_into(h, a, h0[i : i + 1])
             states.append(h)
         if h0 is not None and len(docs) > 1:
             # The chunk scan saw the last document's start as a cut; add its carry.
             s = docs[-1][0]
             a = (
-                g[:, s:].to(h_last.dtype).sum(1)
+                finite_decay(g[:, s:].to(h_last.dtype)).sum(1)
                 if g is not None
                 else torch.zeros_like(h_last[..., 0, 0])
             )
-            h_last = h_last + torch.exp(a)[..., None, None] * h0[-1:].to(h_last.dtype)
+            h_last = carry_into(h_last, a, h0[-1:])
         states.append(h_last)
         final = torch.cat(states, dim=0)
     return o.to(q.dtype), final

@@ -102,6 +102,14 @@ def check_scale(scale: float | None, head_dim: int) -> float:
     return float(scale)
 
 
+def _no_values(x: torch.Tensor) -> bool:
+    """True for a tensor without data: on the meta device, or a fake tensor (FakeTensorMode,
+    as torch.compile, FSDP2 and FLOP counters trace with): value checks are skipped."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return x.device.type == "meta" or is_fake(x)
+
+
 def check_log_decay(
     log_decay: object, q: torch.Tensor, *, check_values: bool = True
 ) -> torch.Tensor | None:
@@ -135,7 +143,8 @@ def check_log_decay(
             log_decay.detach().max() <= 0.0,
             "log_decay: expected values <= 0 (gamma = exp(log_decay) <= 1)",
         )
-    elif check_values and log_decay.numel() > 0:
+    elif check_values and log_decay.numel() > 0 and not _no_values(log_decay):
+        # (meta and fake tensors, for initialisation and FLOP counting, hold no values)
         mx = log_decay.detach().max().item()
         if not mx <= 0.0:  # also catches NaN
             _fail(ValueError, "log_decay", "values <= 0 (gamma = exp(log_decay) <= 1)", f"max {mx}")
@@ -231,7 +240,7 @@ def check_symmetric(name: str, x: torch.Tensor) -> None:
     operators read S q = S^T q only for a symmetric S. Checked per matrix, to a rounding
     tolerance (sqrt(eps) of the matrix's largest entry), so a state returned by an
     earlier call, summed in another order, passes."""
-    if x.numel() == 0 or torch.compiler.is_compiling():
+    if x.numel() == 0 or torch.compiler.is_compiling() or _no_values(x):
         return  # .item() would break the graph; states made by the operators are symmetric
     xd = x.detach()
     asym = (xd - xd.transpose(-1, -2)).abs().amax(dim=(-2, -1))

@@ -78,6 +78,14 @@ class SequenceParallel:
             self.group = _mesh_group(self.group, self.mesh_dim)
         elif self.mesh_dim is not None:
             raise ValueError("mesh_dim: only meaningful when group is a DeviceMesh")
+        if _non_member(self.group):
+            rank = dist.get_rank() if dist.is_initialized() else "?"
+            raise ValueError(
+                "SequenceParallel: group: expected a process group this process belongs to, "
+                "got torch.distributed.GroupMember.NON_GROUP_MEMBER, which new_group returns "
+                f"to the ranks it leaves out: this process (global rank {rank}) is not in "
+                "the group; build SequenceParallel on the group's ranks only"
+            )
         if self.group is not None and not isinstance(self.group, dist.ProcessGroup):
             raise TypeError(
                 f"group: expected a torch.distributed.ProcessGroup, a DeviceMesh or None, "
@@ -99,7 +107,18 @@ class SequenceParallel:
                 "SequenceParallel: torch.distributed is not initialized; call "
                 "torch.distributed.init_process_group first"
             )
-        return self.group if self.group is not None else dist.group.WORLD
+        group = self.group if self.group is not None else dist.group.WORLD
+        if dist.get_rank(group) < 0:  # torch returns -1 (with a warning) for a non-member
+            try:
+                members = dist.get_process_group_ranks(group)
+            except (RuntimeError, ValueError):  # the rank knows nothing of the group
+                members = "unknown"
+            raise ValueError(
+                f"SequenceParallel: group: expected a process group this process belongs "
+                f"to (ranks {members}), got one without this process (global rank "
+                f"{dist.get_rank()})"
+            )
+        return group
 
     @property
     def rank(self) -> int:
@@ -210,6 +229,13 @@ def _is_device_mesh(x: object) -> bool:
     except ImportError:  # a torch without DeviceMesh: nothing can be one
         return False
     return isinstance(x, DeviceMesh)
+
+
+def _non_member(group: object) -> bool:
+    """True for the marker torch.distributed gives a rank outside a new group (an int)."""
+    marker = getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", None)
+    return (marker is not None and isinstance(group, int) and not isinstance(group, bool)
+            and group == marker)
 
 
 def _mesh_group(mesh: DeviceMesh, dim: str | int | None) -> dist.ProcessGroup:

@@ -38,6 +38,7 @@ import torch
 from hla_sp.ops.chunk import segment_summary, with_carry_terms
 from hla_sp.ops.chunk_split import SplitChunks
 from hla_sp.ops.dispatch import backend_for
+from hla_sp.ops.isolation import carry_into
 from hla_sp.ops.linear_attention import local_primitive
 from hla_sp.ops.precision import compute_dtype
 from hla_sp.parallel import exchange
@@ -158,6 +159,10 @@ def sp_primitive(
     else:
         o = _split_outputs(call, works, carries, carry_h, ex, h0 is not None)
     final = _final_states(call, last_state, carry_h, q.device) if want_final else None  # 5.
+    if q.shape[1] == 0:
+        # An empty shard's outputs read none of its inputs: tie them to the inputs (a sum
+        # of nothing is an exact 0), so that their .grad is an empty tensor, not None.
+        o = o + sum(x.sum() for x in (q, k, v, g) if x is not None) * 0
     return exchange.tie(o.to(q.dtype), plan), final
 
 
@@ -276,7 +281,7 @@ def _summaries(
         start = last.source != CARRY
         h0d = call.h0_of(last.source) if start else None
         if h0d is not None:
-            h = h + torch.exp(a)[..., None, None] * h0d
+            h = carry_into(h, a, h0d)
         a_tot = a if last.begin == 0 else (gp.sum(1) if gp is not None else torch.zeros_like(a))
         X.append(S.pack(shape, h, a_tot, start))
     Xs = torch.stack(X) if X else torch.zeros(0, shape.size, dtype=cdt, device=device)
@@ -332,8 +337,7 @@ def _final_states(
                     kp[:, x.begin : x.end], vp[:, x.begin : x.end], _part(gp, x.begin, x.end)
                 )
             c = carry_h[j] if x.source == CARRY else call.h0_of(x.source)
-            if c is not None:
-                h = h + torch.exp(a)[..., None, None] * c
+            h = carry_into(h, a, c)  # a hard reset cuts c, even a NaN one
             rows[x.doc] = h
     if call.plan.bounds is None:
         mine = rows.get(0, torch.zeros(B, H, K, V, dtype=call.cdt, device=device))

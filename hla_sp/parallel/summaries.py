@@ -64,7 +64,10 @@ def combine(shape: SummaryShape, x: torch.Tensor, y: torch.Tensor) -> torch.Tens
     hy, ay, sy = unpack(shape, y)
     sy = sy.detach()  # a flag, not a variable
     p = torch.exp(ay) * (1.0 - sy)[..., None, None]  # [..., B, H]
-    h = p[..., None, None] * hx + hy
+    # A cut (a document start, a hard reset) passes nothing of x, not even a NaN: a
+    # select, and a second one so that no NaN of hx reaches the gradient of a_y.
+    cut = (p == 0)[..., None, None]
+    h = torch.where(cut, hy, p[..., None, None] * torch.where(cut, 0.0, hx) + hy)
     s = torch.maximum(sx.detach(), sy)
     return torch.cat([h.flatten(-4), (ax + ay).flatten(-2), s[..., None]], dim=-1)
 
@@ -77,13 +80,15 @@ def combine_vjp(
     Written out rather than taken by autograd: ring and tree run it on a helper thread
     while the main thread is inside the backward pass. With w = exp(a_y) (1 - s_y):
     dh_x = w dh, dh_y = dh, da_x = da, da_y = da + w <h_x, dh>; the flags get none.
+    Where w = 0 (a cut) the w terms are 0 by a select, whatever h_x or dh hold.
     """
     hx, _, _ = unpack(shape, x)
     _, ay, sy = unpack(shape, y)
     dh, da, _ = unpack(shape, d_out)
     w = torch.exp(ay) * (1.0 - sy)[..., None, None]  # [..., B, H]
-    dhx = w[..., None, None] * dh
-    day = da + w * (hx * dh).sum((-1, -2))
+    cut = w == 0  # nothing of x crosses it, in either direction: selects, not products
+    dhx = torch.where(cut[..., None, None], 0.0, w[..., None, None] * dh)
+    day = da + torch.where(cut, 0.0, w * (hx * dh).sum((-1, -2)))
     zero = d_out[..., -1:].new_zeros(d_out[..., -1:].shape)
     dx = torch.cat([dhx.flatten(-4), da.flatten(-2), zero], dim=-1)
     dy = torch.cat([dh.flatten(-4), day.flatten(-2), zero], dim=-1)

@@ -1,0 +1,185 @@
+"""Document isolation under non-finite inputs: clean operands, poison by flags.
+
+Packed documents and hard resets (a log-decay of -inf) cut a sequence into
+*segments*. A NaN or an infinity in one segment must reach no other segment, and
+within its segment no earlier output. Masks cannot promise that: a matmul adds
+0 * NaN = NaN, so a zero weight on a non-finite operand still poisons every row it is
+summed into, whatever selects the weights went through. So every path computes on
+*clean* operands, the non-finite entries replaced by 0 (in place on the copies the
+chunk paths make anyway, or at the load in the Triton kernels), and puts the poison
+back by flags, with selects:
+
+- forward: an output is NaN when a token at or before it in its segment had a
+  non-finite k, v or decay (its own non-finite q makes it NaN by itself), or when its
+  segment is the first one and the carried-in state is non-finite; a final state is
+  NaN when its segment's output would be;
+- backward: every gradient of a segment is NaN when anything of it (q, k, v, decay,
+  the outputs' cotangent, its carried-in or final state's) is non-finite.
+
+Everything here is [B, T, H] flags (1/K of the inputs) and selects on tensors that
+exist already; there is no host synchronisation. One limit remains: finite inputs so
+large that a product overflows make an inf inside the arithmetic, which is not
+tracked.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+NAN = float("nan")
+
+
+def finite(x: Tensor, source: Tensor | None = None) -> Tensor:
+    """x with every NaN and ±inf set to 0; in place when x does not share ``source``'s
+    storage (a copy the caller made anyway), else a new tensor."""
+    if source is None or x.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
+        return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+    return torch.nan_to_num_(x, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def finite_decay(g: Tensor) -> Tensor:
+    """A log-decay with NaN and +inf set to 0 (poisoned anyway) and -inf kept: a hard
+    reset is a cut, not a poison. A new tensor; the gradient passes where g is kept."""
+    return torch.where(g < float("inf"), g, 0.0)
+
+
+def bad_rows(x: Tensor) -> Tensor:
+    """[..., D] -> [...] bool: the rows holding a NaN or an infinity."""
+    return ~torch.isfinite(x).all(-1)
+
+
+def bad_state(h: Tensor | None) -> Tensor | None:
+    """[B, H, K, V] -> [B, H] bool: the states holding a NaN or an infinity (None: None)."""
+    return None if h is None else ~torch.isfinite(h).all(-1).all(-1)
+
+
+def bad_tokens(k: Tensor, v: Tensor, g: Tensor | None) -> Tensor:
+    """[B, T, H] bool: the tokens whose k, v or log-decay (NaN or +inf) is non-finite, that
+    is whose value reaches the later outputs of their segment."""
+    bad = bad_rows(k) | bad_rows(v)
+    if g is not None:
+        bad |= ~(g < float("inf"))  # NaN or +inf; -inf is a cut
+    return bad
+
+
+def cuts(resets: Tensor | None, g: Tensor | None, like: Tensor) -> Tensor | None:
+    """[B, T, H] bool, True where a segment starts: a document start (``resets`` [B, T])
+    or a hard reset (g == -inf); None when there is neither. ``like``: [B, T, H, .]."""
+    c = None
+    if resets is not None:
+        c = resets.to(torch.bool)[..., None].expand(like.shape[:3])
+    if g is not None:
+        hard = g == float("-inf")
+        c = hard if c is None else c | hard
+    return c
+
+
+def poisoned_prefix(bad: Tensor, cut: Tensor | None, init: Tensor | None = None) -> Tensor:
+    """[B, T, H] bool: True at t when a bad token lies at or before t in t's segment, or
+    t's segment is the first one and ``init`` [B, H] (a bad carried-in state) is True."""
+    cb = bad.cumsum(1)
+    if cut is None:
+        out = cb > 0
+        return out if init is None else out | init[:, None]
+    # the count before each segment's start, carried over the segment (counts only grow)
+    base = torch.where(cut, cb - bad.long(), 0).cummax(1).values
+    out = cb > base
+    if init is not None:
+        out |= init[:, None] & (cut.cumsum(1) == 0)
+    return out
+
+
+def poisoned_segments(
+    bad: Tensor, cut: Tensor | None, first: Tensor | None = None, last: Tensor | None = None
+) -> Tensor:
+    """[B, T, H] bool: True on every token of a segment that holds a bad token, of the
+    first segment when ``first`` [B, H] is True, of the last when ``last`` [B, H] is."""
+    if cut is None:
+        out = bad.any(1, keepdim=True).expand_as(bad)
+        for extra in (first, last):
+            if extra is not None:
+                out = out | extra[:, None]
+        return out
+    T = bad.shape[1]
+    cb = bad.cumsum(1)
+    base = torch.where(cut, cb - bad.long(), 0).cummax(1).values
+    # the count at each segment's last token, carried back over the segment
+    ends = torch.cat([cut[:, 1:], torch.ones_like(cut[:, :1])], dim=1)
+    top = torch.where(ends, cb, T + 1).flip(1).cummin(1).values.flip(1)
+    out = top > base
+    if first is not None:
+        out |= first[:, None] & (cut.cumsum(1) == 0)
+    if last is not None:
+        after = cut.flip(1).cumsum(1).flip(1) - cut.long()  # cuts strictly after t
+        out |= last[:, None] & (after == 0)
+    return out
+
+
+def poison_outputs(
+    o: Tensor, h_last: Tensor | None, k: Tensor, v: Tensor, g: Tensor | None,
+    resets: Tensor | None, h0: Tensor | None,
+) -> None:
+    """In place: NaN into o [B, T, H, V] and h_last [B, H, K, V] where the forward's
+    poison reaches (module note). q needs no flag: a non-finite q_t makes o_t NaN by
+    itself, and no other output reads it."""
+    init = bad_state(h0)
+    if o.shape[1] == 0:
+        if h_last is not None and init is not None:
+            h_last.masked_fill_(init[..., None, None], NAN)
+        return
+    pz = poisoned_prefix(bad_tokens(k, v, g), cuts(resets, g, k), init)
+    o.masked_fill_(pz[..., None], NAN)
+    if h_last is not None:
+        h_last.masked_fill_(pz[:, -1, :, None, None], NAN)
+
+
+def poison_grads(
+    grads: list[Tensor | None], dh0: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
+    g: Tensor | None, resets: Tensor | None, h0: Tensor | None, do: Tensor,
+    dht: Tensor | None,
+) -> None:
+    """In place: NaN into the per-token gradients ``grads`` ([B, T, H, .] or dg [B, T, H])
+    and dh0 [B, H, K, V] on every segment the backward's poison reaches (module note)."""
+    bad = None if q.shape[1] == 0 else bad_tokens(k, v, g) | bad_rows(q) | bad_rows(do)
+    poison_segments(grads, [dh0], bad, cuts(resets, g, k), bad_state(h0), bad_state(dht))
+
+
+def either(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    """a | b for optional flags."""
+    return b if a is None else a if b is None else a | b
+
+
+def poison_segments(
+    grads: list[Tensor | None], dstates0: list[Tensor | None], bad: Tensor | None,
+    cut: Tensor | None, first: Tensor | None, last: Tensor | None,
+) -> None:
+    """In place: NaN into the per-token gradients ``grads`` ([B, T, H, .] or [B, T, H])
+    of every poisoned segment (:func:`poisoned_segments` of ``bad`` [B, T, H], None for
+    T = 0), and into the initial states' gradients ``dstates0`` ([B, H, ., .]) when the
+    first segment is poisoned."""
+    if bad is None:
+        reach = either(first, last)
+    else:
+        seg = poisoned_segments(bad, cut, first, last)
+        for x in grads:
+            if x is not None:
+                x.masked_fill_(seg if x.dim() == 3 else seg[..., None], NAN)
+        reach = seg[:, 0]
+    if reach is not None:
+        for d in dstates0:
+            if d is not None:
+                d.masked_fill_(reach[..., None, None], NAN)
+
+
+def carry_into(h: Tensor, a: Tensor, c: Tensor | None) -> Tensor:
+    """h + exp(a) c for a state c [B, H, K, V] carried over a segment of total log-decay
+    a [B, H] (zero-state state h): a hard reset inside (a = -inf) cuts c, even a
+    non-finite one; otherwise a non-finite c makes the result NaN. Differentiable, and
+    no NaN reaches the gradients of h or a from a cut c."""
+    if c is None:
+        return h
+    w = torch.exp(a)[..., None, None]
+    bad = bad_state(c)
+    out = h + w * torch.nan_to_num(c.to(h.dtype), nan=0.0, posinf=0.0, neginf=0.0)
+    return torch.where((bad & ~torch.isneginf(a))[..., None, None], NAN, out)
