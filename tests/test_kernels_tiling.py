@@ -27,7 +27,7 @@ def kernels(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 
 def test_tiling_per_dtype_and_precision(monkeypatch: pytest.MonkeyPatch) -> None:
     """32-wide K/V tiles everywhere. IEEE fp32 (FMA dots): 16-token chunks and 4 warps;
-    TF32: 32-token chunks, 8 warps; 16-bit inputs (tensor cores): 64-token chunks, 8
+    TF32: 32-token chunks, 8 warps; 16-bit inputs (tensor cores): 32-token chunks, 8
     warps, 2 pipeline stages in dq/dk. The chunk cap follows (the gate chose these)."""
     from hla_sp.kernels.chunk import chunk_tile, tiling
 
@@ -46,7 +46,7 @@ def test_tiling_per_dtype_and_precision(monkeypatch: pytest.MonkeyPatch) -> None
     for dt in (torch.bfloat16, torch.float16):
         t = tiling(dt)
         assert (t.block, t.num_warps, t.narrow_stages) == (32, 8, 2)
-        assert chunk_tile(128, dt) == 64
+        assert chunk_tile(128, dt) == 32
 
 
 def test_fused_hla2_sequential_refuses_fp32_k128(kernels: ModuleType) -> None:
