@@ -51,7 +51,7 @@ def test_flags_parse_beside_attention_backend():
                       "--hla-chunk-size", "128", "--hla-sp-method", "ring", "--hla-ridge", "0.5"])
     assert (a.attention, a.attention_backend, a.attention_dropout) == ("hla2", "flash", 0.0)
     assert hla_spec_kwargs(a) == dict(operator="hla2", decay="data", first_order=True,
-                                      short_conv=4, normalize=True, ridge=0.5,
+                                      mix_norm=False, short_conv=4, normalize=True, ridge=0.5,
                                       chunk_size=128, precision="auto", sp_method="ring")
     a = p.parse_args(["--attention", "hla3", "--no-hla-first-order"])
     assert hla_spec_kwargs(a)["first_order"] is False
