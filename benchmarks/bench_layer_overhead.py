@@ -1,0 +1,188 @@
+"""The fixed cost per layer under sequence parallelism, where latency dominates.
+
+A stack of ``--layers`` residual ``HLAttention`` layers (hla2 at the defaults: short
+convolution, first-order path) runs forward + backward on T/P tokens per rank:
+
+- sharded: P gloo ranks, ``SequenceParallel(layout="zigzag")``, the whole sequence T;
+- single-rank: the same stack on the same T/P tokens without ``sp``, on the same ranks
+  at the same moment, interleaved rep by rep (so both meet the same CPU contention).
+
+The ratio sharded / single-rank is the price of the exchange, the halo and every check
+a layer call makes. At small T/P (512, 2,048) that price is mostly fixed per call, which
+is what this measures. Also counted in the third (steady-state) sharded step of rank 0:
+the collectives and the host syncs (``Tensor.item/tolist/cpu``) per layer call.
+
+    python benchmarks/bench_layer_overhead.py                 # -> runs/bench/
+    python benchmarks/bench_layer_overhead.py --out benchmarks/results
+
+With more ranks than cores the absolute times grow; the ratio is what is compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+import torch.distributed as dist
+from bench_sp_common import RESULTS, save
+
+from hla_sp.nn import HLAttention
+from hla_sp.parallel import SequenceParallel, shard
+from hla_sp.testing import World
+
+# The collectives a layer call can make (torch.distributed's own names).
+COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_single", "all_reduce",
+               "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+               "broadcast", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+               "all_to_all_single", "barrier", "all_gather_object")
+HOST_SYNCS = ("item", "tolist", "cpu")
+
+
+@contextmanager
+def counting(counts: Counter) -> Iterator[None]:
+    """Count calls to torch.distributed's collectives and Tensor's host syncs."""
+    saved: list[tuple[Any, str, Callable]] = []
+
+    def wrap(owner: Any, name: str, key: str) -> None:
+        fn = getattr(owner, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            counts[key] += 1
+            return fn(*args, **kwargs)
+
+        saved.append((owner, name, fn))
+        setattr(owner, name, counted)
+
+    # hla_sp binds some collectives under its own names at import (comm.py's aliases):
+    # wrap every module attribute that is one of them, wherever it is held.
+    targets = {getattr(dist, n): n for n in COLLECTIVES if hasattr(dist, n)}
+    for mod in [dist] + [m for k, m in list(sys.modules.items()) if k.startswith("hla_sp")]:
+        for attr, value in list(vars(mod).items()):
+            if callable(value) and value in targets:
+                wrap(mod, attr, targets[value])
+    for name in HOST_SYNCS:
+        wrap(torch.Tensor, name, f"Tensor.{name}")
+    try:
+        yield
+    finally:
+        for owner, name, fn in reversed(saved):
+            setattr(owner, name, fn)
+
+
+def stack(layers: int, d: int, heads: int, seed: int = 0) -> torch.nn.ModuleList:
+    """The same residual stack on every rank (seeded)."""
+    torch.manual_seed(seed)
+    return torch.nn.ModuleList(HLAttention(d, heads, operator="hla2") for _ in range(layers))
+
+
+def step(model: torch.nn.ModuleList, x: torch.Tensor, sp: SequenceParallel | None) -> None:
+    """Forward + backward of the stack on x [1, T_local, d]."""
+    h = x
+    for layer in model:
+        h = h + layer(h, sp=sp)[0]
+    h.square().mean().backward()
+
+
+def overhead_task(rank: int, P: int, T_local: int, layers: int, d: int, heads: int,
+                  reps: int) -> dict[str, Any]:
+    """Per rep: this rank's sharded and single-rank step times; the steady-state counts."""
+    torch.set_num_threads(1)
+    model = stack(layers, d, heads)
+    gen = torch.Generator().manual_seed(1)
+    x_global = torch.randn(1, T_local * P, d, generator=gen)
+    x_shard = shard(x_global, rank, P, "zigzag")
+    x_local = x_global[:, :T_local]
+    sp = SequenceParallel(layout="zigzag")
+    for _ in range(2):  # warm up both paths (plans, allocator, first-call checks)
+        step(model, x_shard, sp)
+        step(model, x_local, None)
+    counts: Counter = Counter()
+    with counting(counts):
+        step(model, x_shard, sp)
+    times: dict[str, list[float]] = {"sharded": [], "single": []}
+    for _ in range(reps):
+        for name, x, s in (("sharded", x_shard, sp), ("single", x_local, None)):
+            model.zero_grad(set_to_none=True)
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(model, x, s)
+            times[name].append(time.perf_counter() - t0)
+    return {"times": times, "counts": dict(counts)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--t-local", default="512,2048", help="tokens per rank, comma list")
+    ap.add_argument("--ranks", default="2,4", help="P, comma list")
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--name", default="layer_overhead", help="stem of the JSON and PNG")
+    ap.add_argument("--out", type=Path, help="output folder (read by bench_sp_common)")
+    args = ap.parse_args(argv)
+    data: dict[str, Any] = {
+        "config": {"operator": "hla2", "layout": "zigzag", "layers": args.layers,
+                   "d_model": args.d_model, "heads": args.heads, "reps": args.reps,
+                   "threads_per_rank": 1,
+                   "stat": "per rep the slowest rank; min and median over reps"},
+        "runs": []}
+    for P in (int(p) for p in args.ranks.split(",")):
+        for T_local in (int(t) for t in args.t_local.split(",")):
+            with World(P) as w:
+                per_rank = w.run(overhead_task, T_local, args.layers, args.d_model,
+                                 args.heads, args.reps, timeout=1800)
+            # A step lasts as long as the group's slowest rank.
+            step_s = {n: [max(r["times"][n][i] for r in per_rank) for i in range(args.reps)]
+                      for n in ("sharded", "single")}
+            best = {n: min(ts) for n, ts in step_s.items()}
+            med = {n: statistics.median(ts) for n, ts in step_s.items()}
+            counts = per_rank[0]["counts"]
+            run = {"P": P, "T_local": T_local, "min_s": best, "median_s": med,
+                   "ratio_min": best["sharded"] / best["single"],
+                   "ratio_median": med["sharded"] / med["single"],
+                   "fixed_ms_per_layer": (best["sharded"] - best["single"]) / args.layers * 1e3,
+                   "counts_per_layer_call": {k: v / args.layers for k, v in sorted(counts.items())}}
+            data["runs"].append(run)
+            print(f"P={P} T/P={T_local}: sharded {best['sharded'] * 1e3:.1f} ms, single "
+                  f"{best['single'] * 1e3:.1f} ms, x{run['ratio_min']:.3f} (median "
+                  f"x{run['ratio_median']:.3f}), {run['fixed_ms_per_layer']:.2f} ms per layer; "
+                  f"per layer call {run['counts_per_layer_call']}", flush=True)
+    path = save(args.name, data)
+    print(f"wrote {path}")
+    plot(data, RESULTS / f"{args.name}.png")
+
+
+def plot(data: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for P in sorted({r["P"] for r in data["runs"]}):
+        rows = [r for r in data["runs"] if r["P"] == P]
+        ax.plot([r["T_local"] for r in rows], [r["ratio_min"] for r in rows], "o-",
+                label=f"P = {P}")
+    ax.axhline(1.0, color="k", lw=0.8)
+    c = data["config"]
+    ax.set(xscale="log", xlabel="T / P (tokens per rank)",
+           ylabel="sharded step / single-rank step",
+           title=f"{c['layers']} hla2 layers, d={c['d_model']}, fwd+bwd (CPU, gloo)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
