@@ -45,10 +45,9 @@ def _procs_mentioning(needle: str) -> list[str]:
     return found
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc for leftover processes")
-def test_example_sweep_runs_clean_and_leaves_nothing(tmp_path: Path) -> None:
-    """examples/sweep.toml end to end (P = 1, 2; T = 64, 128): results, plots, each
-    worker line once, none of Ray's noise, no Ray process left after the driver exits."""
+def _run_sweep(sweep_file: Path, tmp_path: Path) -> tuple[list[dict], str, Path]:
+    """``hla-sp sweep FILE`` in a subprocess: its rows, its output, its output folder.
+    Checks that it succeeds and that no Ray process outlives the driver."""
     out = tmp_path / "out"
     # Ray's sockets live under its temp dir; a short path keeps them under 107 bytes
     ray_tmp = tempfile.mkdtemp(prefix="hr", dir="/tmp")
@@ -56,7 +55,7 @@ def test_example_sweep_runs_clean_and_leaves_nothing(tmp_path: Path) -> None:
            "RAY_TMPDIR": ray_tmp}
     try:
         p = subprocess.run(
-            [HLA_SP, "sweep", str(ROOT / "examples" / "sweep.toml"), "--output-dir", str(out)],
+            [HLA_SP, "sweep", str(sweep_file), "--output-dir", str(out)],
             capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path,
         )  # fmt: skip
         text = p.stdout + p.stderr
@@ -67,9 +66,14 @@ def test_example_sweep_runs_clean_and_leaves_nothing(tmp_path: Path) -> None:
         assert not _procs_mentioning(ray_tmp), _procs_mentioning(ray_tmp)
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
-    rows = json.loads((out / "results.json").read_text())
+    return json.loads((out / "results.json").read_text()), text, out
+
+
+def _check_sweep(rows: list[dict], text: str, out: Path, points: list[tuple[int, int]]
+                 ) -> None:
+    """Results, CSV and plots for every (P, T) point; each worker line once; no Ray noise."""
     assert [(r["world_size"], r["cp"], r["seq_length"]) for r in rows] == [
-        (1, 1, 64), (1, 1, 128), (2, 2, 64), (2, 2, 128)]
+        (P, P, T) for P, T in points]
     for r in rows:
         assert r["status"] == "ok"
         assert r["tokens_per_s"] > 0 and r["step_time_s"] > 0
@@ -77,7 +81,7 @@ def test_example_sweep_runs_clean_and_leaves_nothing(tmp_path: Path) -> None:
         assert min(r["peak_mem_bytes_per_rank"]) > 0
         assert r["iters"] == 2 and r["loss_first"] > 0
     with open(out / "results.csv") as f:
-        assert [int(row["seq_length"]) for row in csv.DictReader(f)] == [64, 128, 64, 128]
+        assert [int(row["seq_length"]) for row in csv.DictReader(f)] == [T for _, T in points]
     for name in ("throughput_vs_p.png", "memory_vs_seq.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     lines = [ln for ln in text.splitlines() if ln.startswith("[sweep P=")]
@@ -85,6 +89,28 @@ def test_example_sweep_runs_clean_and_leaves_nothing(tmp_path: Path) -> None:
     assert len(lines) == len(set(lines)), "a worker line was printed twice"
     for noise in ("PlacementGroupCleaner", "TrainController", "core_worker.cc"):
         assert noise not in text, noise
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc for leftover processes")
+def test_one_point_sweep_runs_clean_and_leaves_nothing(tmp_path: Path) -> None:
+    """The example's cluster and trainer sections at one point, P = 2 (CP across two Ray
+    workers), T = 64: the whole path of a sweep at a quarter of the example's cost."""
+    example = (ROOT / "examples" / "sweep.toml").read_text()
+    one = example.replace("world_sizes = [1, 2]", "world_sizes = [2]").replace(
+        "seq_lengths = [64, 128]", "seq_lengths = [64]")
+    assert one.count("world_sizes = [2]") == 1 and one.count("seq_lengths = [64]") == 1, (
+        "examples/sweep.toml's grid lines changed: update this test")
+    path = tmp_path / "one.toml"
+    path.write_text(one)
+    _check_sweep(*_run_sweep(path, tmp_path), points=[(2, 64)])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc for leftover processes")
+def test_example_sweep_runs_clean_and_leaves_nothing(tmp_path: Path) -> None:
+    """examples/sweep.toml end to end (P = 1, 2; T = 64, 128)."""
+    _check_sweep(*_run_sweep(ROOT / "examples" / "sweep.toml", tmp_path),
+                 points=[(1, 64), (1, 128), (2, 64), (2, 128)])
 
 
 @pytest.mark.parametrize(

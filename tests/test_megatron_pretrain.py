@@ -126,7 +126,8 @@ def close(a: list, b: list, tol: float = 1e-5) -> bool:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("version", ["0.17.1", "0.19.2"])
+# 0.17's legacy API also runs in the hybrid-stack test below; its full CP check is slow.
+@pytest.mark.parametrize("version", [pytest.param("0.17.1", marks=pytest.mark.slow), "0.19.2"])
 def test_real_pretrain_hla_cp2_equals_cp1_and_differs_from_softmax(version):
     r1, cp1 = run_once(version, 1, *HLA)
     ok(r1, cp1, f"{version} HLA CP=1")
