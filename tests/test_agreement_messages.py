@@ -70,7 +70,7 @@ def test_rows_have_one_width() -> None:
     """Every rank's row has the same width whatever its texts (one all-gather)."""
     widths = {len(_row(op, opts)) for op, opts in (
         ("hla2", {}), ("x" * 100, {"a": "y" * 100}), ("la", dict.fromkeys("abcdefghij", 1.0)))}
-    assert widths == {A._ROW}
+    assert len(widths) == 1, widths
     with pytest.raises(TypeError, match="options: expected str names, got 3"):
         A.named_options({3: 1})
     with pytest.raises(ValueError, match="options: expected at most 10 options, got 11"):

@@ -49,7 +49,6 @@ _OPTIONS_AT = sum(w for _, w in _FIELDS)  # the first option slot's first word
 # The options follow, _MAX_OPTIONS slots of (name, kind, value); local T is the last int.
 _MAX_OPTIONS = 10
 _SLOT = 2 * _TEXT + 1
-_ROW = _OPTIONS_AT + _MAX_OPTIONS * _SLOT + 1
 # log_decay kinds (row field "log_decay"); the last matches either given kind.
 _DECAY_KINDS = ("None", "per token", "per-head constant", "given (shard of < 2 tokens)")
 _UNKNOWN_KIND = 3
@@ -193,8 +192,9 @@ def metadata_row(
     layout: str,
     method: str,
 ) -> torch.Tensor:
-    """This rank's view of the call, an int64 row [_ROW] on q's device: the words of
-    ``_FIELDS``, then ``_MAX_OPTIONS`` slots of (name, kind, value), then the local T.
+    """This rank's view of the call, an int64 row on q's device, of the same width on
+    every rank: the words of ``_FIELDS``, then ``_MAX_OPTIONS`` slots of (name, kind,
+    value), then the local T.
     Value digests are computed there (no host synchronization)."""
     device = inputs.q.device
     kind, constant = _decay_kind(inputs.g)
@@ -267,7 +267,6 @@ def _join_failure(op: str, e: RuntimeError, elapsed: float, timeout: float | Non
         f"{elapsed:.1f} s: {cause}. A peer rank likely crashed or closed its connection "
         f"(look for its own error first); {restart}."
     )
-
 
 
 def disagreements(table: list[list[int]], names: Sequence[str] | None = None) -> list[str]:
