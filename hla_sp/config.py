@@ -17,6 +17,11 @@ from typing import Any, Literal, get_args
 
 Operator = Literal["hla2", "ahla", "hla3", "linear"]
 Decay = Literal["none", "fixed", "learned", "data"]
+# The exchange methods' names, the one list of them. Their functions (forward start,
+# reverse start) are registered under these names in ``hla_sp.parallel.exchange``'s
+# table, which fails at import unless its names are exactly these: the names live here
+# because this module is the lowest layer and torch-free (flag parsers read it), and
+# the table needs torch. SequenceParallel, Plan and the flags' choices derive from here.
 SPMethod = Literal["allgather", "ring", "tree"]
 Precision = Literal["auto", "exact", "fast"]
 

@@ -96,12 +96,14 @@ def _mismatch_task(rank: int, P: int) -> list[str]:
 def test_mismatch_raises_on_every_rank(world, P: int) -> None:
     per_rank = world(P).run(_mismatch_task, timeout=60)  # WorldTimeout on a hang
     expect = {
-        "K": "K differs: 4 on ranks", "dtype": "dtype differs: torch.float64 on ranks [0]",
-        "cu_seqlens": "cu_seqlens differs", "total": "cu_seqlens[-1] = ",
-        "method": "method differs: 'ring' on ranks [0]",
-        "op": "operator differs: 'ahla' on ranks [0",
-        "options": "option 'normalize' differs: True on ranks [0], False on ranks [1",
-        "final": "option 'output_final_state' differs: True on ranks [0], False on ranks [1",
+        "K": "K differs across ranks: 4 on ranks",
+        "dtype": "dtype differs across ranks: torch.float64 on ranks [0]",
+        "cu_seqlens": "cu_seqlens differs across ranks: [0, 3, ",
+        "total": "cu_seqlens[-1] = ",
+        "method": "method differs across ranks: 'ring' on ranks [0]",
+        "op": "operator differs across ranks: 'ahla' on ranks [0",
+        "options": "normalize differs across ranks: True on ranks [0], False on ranks [1",
+        "final": "output_final_state differs across ranks: True on ranks [0], False on ranks [1",
         "zigzag": "zigzag layout needs the same even local T",
     }
     for rank, seen in enumerate(per_rank):
@@ -172,20 +174,20 @@ def test_replicated_values_must_agree(world, P: int) -> None:
     per_rank = world(P).run(_replicated_mismatch_task, timeout=90)
     rest = "[0]" if P == 2 else "[0, 2]"
     expect = {
-        "scale": f"scale differs: 0.5 on ranks {rest}, 1.0 on ranks [1]",
-        "scale_la": f"scale differs: 0.5 on ranks {rest}, 1.0 on ranks [1]",
-        "h0_one_rank": "option 'initial_state' differs: given with values digest ",
-        "h0_values": "option 'initial_state' differs: given with values digest ",
-        "state_values": "option 'initial_state' differs: given with values digest ",
-        "state_one_rank": "option 'initial_state' differs: given with values digest ",
-        "decay_given": f"log_decay differs: per-head constant on ranks {rest}, None on "
-                       "ranks [1]",
-        "decay_kind": f"log_decay differs: per-head constant on ranks {rest}, per token on "
-                      "ranks [1]",
-        "decay_values": "log_decay values differs: digest ",
-        "ridge": f"option 'ridge' differs: 0.0 on ranks {rest}, 0.25 on ranks [1]",
-        "eps": f"option 'eps' differs: 1e-06 on ranks {rest}, 0.001 on ranks [1]",
-        "key_mix": "option 'key_mix' differs: given with values digest ",
+        "scale": f"scale differs across ranks: 0.5 on ranks {rest}, 1.0 on ranks [1]",
+        "scale_la": f"scale differs across ranks: 0.5 on ranks {rest}, 1.0 on ranks [1]",
+        "h0_one_rank": "initial_state differs across ranks: given with values digest ",
+        "h0_values": "initial_state differs across ranks: given with values digest ",
+        "state_values": "initial_state differs across ranks: given with values digest ",
+        "state_one_rank": "initial_state differs across ranks: given with values digest ",
+        "decay_given": f"log_decay differs across ranks: per-head constant on ranks {rest}, "
+                       "None on ranks [1]",
+        "decay_kind": f"log_decay differs across ranks: per-head constant on ranks {rest}, "
+                      "per token on ranks [1]",
+        "decay_values": "log_decay values differs across ranks: digest ",
+        "ridge": f"ridge differs across ranks: 0.0 on ranks {rest}, 0.25 on ranks [1]",
+        "eps": f"eps differs across ranks: 1e-06 on ranks {rest}, 0.001 on ranks [1]",
+        "key_mix": "key_mix differs across ranks: given with values digest ",
         "agree": "agree: no error",
     }
     for rank, seen in enumerate(per_rank):

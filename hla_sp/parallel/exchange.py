@@ -1,7 +1,8 @@
 """The exchange of segment summaries between ranks, forward and backward.
 
-Three methods compute the same exclusive scan (the carry into each of this rank's
-pieces) over the pieces in global order:
+The methods, one entry each in the table :data:`EXCHANGES` (name -> forward start,
+reverse start; an unknown name raises in both directions), compute the same exclusive
+scan (the carry into each of this rank's pieces) over the pieces in global order:
 
 - ``allgather``: one all-gather of every rank's summaries, then a local fold;
   backward: the local fold's vector-Jacobian product, then one reduce-scatter;
@@ -32,7 +33,9 @@ by this rank are counted per category (:mod:`hla_sp.parallel.comm`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -50,16 +53,51 @@ from hla_sp.parallel.comm import (  # noqa: F401  (re-exported: the counters' pu
     traffic,
 )
 from hla_sp.parallel.p2p import ring_backward, ring_forward, tree_backward, tree_forward
-from hla_sp.parallel.plan import Chain, Plan
+from hla_sp.parallel.plan import METHODS, Chain, Plan
 
 
-def start(method: str, plan: Plan, shape: S.SummaryShape, X: torch.Tensor) -> Pending:
-    """Start exchanging this rank's summaries X [n_own, D] (detached)."""
-    if method == "allgather":
-        P = plan.world_size
-        flat = X.reshape(-1).contiguous()
-        if P == 1:
-            return Pending(lambda: flat.view(1, *X.shape))
+class Scanned(NamedTuple):
+    """What a forward exchange gives once waited for (the same for every method)."""
+
+    carries: torch.Tensor  # [n_own, D]: the carry into each of this rank's pieces
+    aux: torch.Tensor  # saved for the reverse: allgather, the gathered [P, n, D]; else carries
+    saved: object  # anything else the reverse needs (tree: its rounds), or None
+
+
+# start(plan, shape, X [n, D]) -> Pending of a Scanned
+Start = Callable[[Plan, S.SummaryShape, torch.Tensor], Pending]
+# reverse(plan, shape, X, aux, saved, d(carries) [n, D]) -> Pending of d(X) [n, D]
+Reverse = Callable[
+    [Plan, S.SummaryShape, torch.Tensor, torch.Tensor, object, torch.Tensor], Pending
+]
+
+
+class Method(NamedTuple):
+    """One exchange method: its forward start and its reverse start."""
+
+    start: Start
+    reverse: Reverse
+
+
+class _Then(Pending):
+    """A pending exchange finished by local work after the wait; only the wait counts as
+    blocked time (:func:`hla_sp.parallel.comm.blocked_seconds`)."""
+
+    def __init__(self, inner: Pending, then: Callable[[Any], Any]):
+        # Not Pending's timed wait around both: the inner wait is timed on its own.
+        self._inner, self._then = inner, then
+
+    def wait(self) -> Any:
+        return self._then(self._inner.wait())
+
+
+def _allgather_start(plan: Plan, shape: S.SummaryShape, X: torch.Tensor) -> Pending:
+    """One asynchronous all-gather of every rank's summaries; the fold after the wait."""
+    P = plan.world_size
+    flat = X.reshape(-1).contiguous()
+    if P == 1:
+        gathered = Pending(lambda: flat.view(1, *X.shape))
+    else:
         out = flat.new_empty(P * flat.numel())
         work = all_gather_single(out, flat, group=plan.group, async_op=True)
         count("summary", (P - 1) * size_bytes(flat))
@@ -68,13 +106,100 @@ def start(method: str, plan: Plan, shape: S.SummaryShape, X: torch.Tensor) -> Pe
             work.wait()
             return out.view(P, *X.shape)
 
-        return Pending(wait)
-    if method == "ring":
-        return on_thread(lambda: ring_forward(plan, shape, X))
-    if method == "tree":
-        return on_thread(lambda: tree_forward(plan, shape, X))
-    raise ValueError(f"method: expected allgather, ring or tree, got {method!r}")
+        gathered = Pending(wait)
 
+    def fold(G: torch.Tensor) -> Scanned:
+        carries = S.exclusive_prefixes(shape, _global_order(plan, G), [p.m for p in plan.own])
+        return Scanned(carries, G, None)
+
+    return _Then(gathered, fold)
+
+
+def _ring_start(plan: Plan, shape: S.SummaryShape, X: torch.Tensor) -> Pending:
+    def run() -> Scanned:
+        carries = ring_forward(plan, shape, X)
+        return Scanned(carries, carries, None)
+
+    return on_thread(run)
+
+
+def _tree_start(plan: Plan, shape: S.SummaryShape, X: torch.Tensor) -> Pending:
+    def run() -> Scanned:
+        carries, rounds = tree_forward(plan, shape, X)
+        return Scanned(carries, carries, rounds)
+
+    return on_thread(run)
+
+
+# The reverse starts, of the Reverse signature.
+def _allgather_reverse(
+    plan: Plan, shape: S.SummaryShape, X: torch.Tensor, gathered: torch.Tensor,
+    saved: object, d: torch.Tensor,
+) -> Pending:
+    """d(carries) -> d(gathered) by the local fold's VJP -> reduce-scatter to owners
+    (asynchronous: the begin's backward waits for it)."""
+    with torch.enable_grad():
+        G = gathered.detach().requires_grad_(True)
+        carries = S.exclusive_prefixes(shape, _global_order(plan, G), [p.m for p in plan.own])
+        dG = None
+        if carries.requires_grad:
+            (dG,) = torch.autograd.grad(carries, (G,), d, allow_unused=True)
+    if dG is None:
+        dG = torch.zeros_like(gathered)
+    P = plan.world_size
+    if P == 1:
+        return Pending(lambda: dG[0])
+    out = X.new_empty(X.numel())
+    work = reduce_scatter_single(out, dG.reshape(-1).contiguous(), group=plan.group,
+                                 async_op=True)
+    count("summary_grad", (P - 1) * size_bytes(out))
+
+    def wait() -> torch.Tensor:
+        work.wait()
+        return out.view_as(X)
+
+    return Pending(wait)
+
+
+def _ring_reverse(plan: Plan, shape: S.SummaryShape, X: torch.Tensor,
+                  carries: torch.Tensor, saved: object, d: torch.Tensor) -> Pending:
+    return on_thread(lambda: ring_backward(plan, shape, X, carries, d))
+
+
+def _tree_reverse(plan: Plan, shape: S.SummaryShape, X: torch.Tensor,
+                  carries: torch.Tensor, rounds: object, d: torch.Tensor) -> Pending:
+    return on_thread(lambda: tree_backward(plan, shape, X, rounds, d))  # type: ignore[arg-type]
+
+
+# The exchange table, name -> (forward start, reverse start): the only place where a
+# method's functions are named. Its names are hla_sp.config's SPMethod (which must stay
+# torch-free, so it cannot import this table); the check below ties the two at import.
+EXCHANGES: Mapping[str, Method] = MappingProxyType({
+    "allgather": Method(_allgather_start, _allgather_reverse),
+    "ring": Method(_ring_start, _ring_reverse),
+    "tree": Method(_tree_start, _tree_reverse),
+})
+if tuple(EXCHANGES) != METHODS:
+    raise ImportError(
+        f"hla_sp.parallel.exchange: the exchange table's methods {tuple(EXCHANGES)} must be "
+        f"hla_sp.config.SPMethod's {METHODS}, in order"
+    )
+
+
+def method_of(method: str) -> Method:
+    """The table's entry for ``method``; a ValueError names the known methods."""
+    try:
+        return EXCHANGES[method]
+    except (KeyError, TypeError):  # TypeError: an unhashable value
+        raise ValueError(
+            f"method: expected one of {tuple(EXCHANGES)}, got {method!r}"
+        ) from None
+
+
+def start(method: str, plan: Plan, shape: S.SummaryShape, X: torch.Tensor) -> Pending:
+    """Start exchanging this rank's summaries X [n_own, D] (detached); waiting gives a
+    :class:`Scanned` (the carries [n_own, D] and what the reverse needs)."""
+    return method_of(method).start(plan, shape, X)
 
 
 def _global_order(plan: Plan, gathered: torch.Tensor) -> torch.Tensor:
@@ -124,16 +249,8 @@ class _Scan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, token, X, ex, plan, shape, method):
         ctx.plan, ctx.shape, ctx.method, ctx.ex = plan.for_backward(), shape, method, ex
-        if method == "allgather":
-            gathered = ex.pending.wait()
-            carries = S.exclusive_prefixes(
-                shape, _global_order(plan, gathered), [p.m for p in plan.own]
-            )
-            ctx.save_for_backward(X, gathered)
-        else:
-            carries, saved = ex.pending.wait()
-            ctx.saved_scan = saved
-            ctx.save_for_backward(X, carries)
+        carries, aux, ctx.saved_scan = ex.pending.wait()
+        ctx.save_for_backward(X, aux)
         ex.pending = None
         return token.new_zeros(()), carries.detach().clone()
 
@@ -144,8 +261,8 @@ class _Scan(torch.autograd.Function):
         if d_carries is None:
             d_carries = torch.zeros(len(plan.own), shape.size, dtype=X.dtype, device=X.device)
         d_carries = d_carries.to(X.dtype)
-        saved = getattr(ctx, "saved_scan", None)
-        ctx.ex.reverse = start_reverse(ctx.method, plan, shape, X, aux, saved, d_carries)
+        ctx.ex.reverse = start_reverse(ctx.method, plan, shape, X, aux, ctx.saved_scan,
+                                       d_carries)
         while ctx.ex.during_reverse:
             ctx.ex.during_reverse.pop(0)()
         # The token's gradient is defined, so the begin's backward runs; X's comes there.
@@ -156,40 +273,9 @@ def start_reverse(
     method: str, plan: Plan, shape: S.SummaryShape, X: torch.Tensor, aux: torch.Tensor,
     saved: object, d_carries: torch.Tensor,
 ) -> Pending:
-    """Start the reverse exchange: d(carries) [n, D] -> d(X) [n, D] when waited for."""
-    if method == "allgather":
-        return _allgather_backward(plan, shape, X, aux, d_carries)
-    if method == "ring":
-        return on_thread(lambda: ring_backward(plan, shape, X, aux, d_carries))
-    return on_thread(lambda: tree_backward(plan, shape, X, saved, d_carries))
-
-
-def _allgather_backward(
-    plan: Plan, shape: S.SummaryShape, X: torch.Tensor, gathered: torch.Tensor, d: torch.Tensor
-) -> Pending:
-    """d(carries) -> d(gathered) by the local fold's VJP -> reduce-scatter to owners
-    (asynchronous: the begin's backward waits for it)."""
-    with torch.enable_grad():
-        G = gathered.detach().requires_grad_(True)
-        carries = S.exclusive_prefixes(shape, _global_order(plan, G), [p.m for p in plan.own])
-        dG = None
-        if carries.requires_grad:
-            (dG,) = torch.autograd.grad(carries, (G,), d, allow_unused=True)
-    if dG is None:
-        dG = torch.zeros_like(gathered)
-    P = plan.world_size
-    if P == 1:
-        return Pending(lambda: dG[0])
-    out = X.new_empty(X.numel())
-    work = reduce_scatter_single(out, dG.reshape(-1).contiguous(), group=plan.group,
-                                 async_op=True)
-    count("summary_grad", (P - 1) * size_bytes(out))
-
-    def wait() -> torch.Tensor:
-        work.wait()
-        return out.view_as(X)
-
-    return Pending(wait)
+    """Start the reverse exchange: d(carries) [n, D] -> d(X) [n, D] when waited for.
+    ``aux`` and ``saved`` are the forward's :class:`Scanned` fields."""
+    return method_of(method).reverse(plan, shape, X, aux, saved, d_carries)
 
 
 def begin(
@@ -198,14 +284,14 @@ def begin(
     """Start exchanging this rank's summaries X [n_own, D] (step 2 of the primitive);
     returns the exchange and X as the scan must take it (through the begin node)."""
     ex = Exchange(start(plan.method, plan, shape, X.detach()))
-    chain = _chain(plan)
+    chain = chain_of(plan)
     chain.token, Xb = _Begin.apply(chain.token, X, *deps, ex)
     return ex, Xb
 
 
 def scan(plan: Plan, shape: S.SummaryShape, ex: Exchange, X: torch.Tensor) -> torch.Tensor:
     """Finish the exchange started by :func:`begin`; return the carries [n, D]."""
-    chain = _chain(plan)
+    chain = chain_of(plan)
     chain.token, carries = _Scan.apply(chain.token, X, ex, plan, shape, plan.method)
     return carries
 
@@ -239,7 +325,7 @@ def summed(plan: Plan, x: torch.Tensor, category: str) -> torch.Tensor:
 
 def all_reduce(plan: Plan, x: torch.Tensor) -> torch.Tensor:
     """Sum ``x`` over the group (ordered by the call's token)."""
-    chain = _chain(plan)
+    chain = chain_of(plan)
     chain.token, out = _AllReduce.apply(chain.token, x, plan)
     return out
 
@@ -261,10 +347,10 @@ def tie(x: torch.Tensor, plan: Plan) -> torch.Tensor:
     """``x`` tied to the call's latest token (a no-op when nothing needs gradients)."""
     if not plan.needs_grad:
         return x
-    return _Tie.apply(x, _chain(plan).token)
+    return _Tie.apply(x, chain_of(plan).token)
 
 
-def _chain(plan: Plan) -> Chain:
+def chain_of(plan: Plan) -> Chain:
     """The call's ordering chain; a backward-only plan (no chain) runs no new collective."""
     if plan.chain is None:
         raise RuntimeError("exchange: this plan has no ordering chain (a backward-only copy)")

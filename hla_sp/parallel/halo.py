@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from hla_sp.parallel.comm import all_gather_single, count, size_bytes
-from hla_sp.parallel.exchange import _chain, summed
+from hla_sp.parallel.exchange import chain_of, summed
 from hla_sp.parallel.plan import Plan
 
 
@@ -78,6 +78,6 @@ class _GatherTails(torch.autograd.Function):
 
 def gather_tails(plan: Plan, tails: torch.Tensor) -> torch.Tensor:
     """Every rank's tails [P, slots, B, W, C], ordered by the call's token."""
-    chain = _chain(plan)
+    chain = chain_of(plan)
     chain.token, out = _GatherTails.apply(chain.token, tails, plan)
     return out

@@ -47,8 +47,9 @@ class _P2P:
         self.works = []
 
 
-def ring_forward(plan: Plan, shape: S.SummaryShape, X: torch.Tensor) -> tuple:
-    """Carry into each own piece; the running prefix hops from piece m to m + 1."""
+def ring_forward(plan: Plan, shape: S.SummaryShape, X: torch.Tensor) -> torch.Tensor:
+    """The carry [n_own, D] into each own piece (slot order); the running prefix hops
+    from piece m to m + 1."""
     M, me = len(plan.pieces), plan.rank
     own = sorted(plan.own, key=lambda p: p.m)
     p2p = _P2P(plan, "summary")
@@ -71,8 +72,7 @@ def ring_forward(plan: Plan, shape: S.SummaryShape, X: torch.Tensor) -> tuple:
             else:
                 p2p.send(nxt, nowner, tag=p.m + 1)
     p2p.wait()
-    out = torch.stack([carries[p.slot] for p in plan.own]) if own else X.new_zeros(0, shape.size)
-    return out, out
+    return torch.stack([carries[p.slot] for p in plan.own]) if own else X.new_zeros(0, shape.size)
 
 
 def ring_backward(
@@ -104,8 +104,12 @@ def ring_backward(
     return dX
 
 
-def tree_forward(plan: Plan, shape: S.SummaryShape, X: torch.Tensor) -> tuple:
-    """Hillis-Steele exclusive scan over the M pieces: round d joins distance 2^d."""
+def tree_forward(
+    plan: Plan, shape: S.SummaryShape, X: torch.Tensor
+) -> tuple[torch.Tensor, list[dict[int, tuple]]]:
+    """Hillis-Steele exclusive scan over the M pieces: round d joins distance 2^d.
+    Returns the carries [n_own, D] (slot order) and each round's operands, which
+    :func:`tree_backward` takes."""
     M = len(plan.pieces)
     own = plan.own
     ident = S.identity(shape, X.dtype, X.device)

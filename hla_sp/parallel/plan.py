@@ -17,10 +17,13 @@ from functools import cached_property
 import torch
 import torch.distributed as dist
 
+from hla_sp.config import SP_METHODS
 from hla_sp.parallel.layouts import Piece
 
-# The exchanges of summaries a call can use (SequenceParallel.method, Plan.method).
-METHODS = ("allgather", "ring", "tree")
+# The exchanges of summaries a call can use (SequenceParallel.method, Plan.method): the
+# names of the exchange table (hla_sp.parallel.exchange.EXCHANGES), defined once in
+# hla_sp.config. Not the table itself: exchange.py imports this module.
+METHODS: tuple[str, ...] = SP_METHODS
 
 
 class Chain:
@@ -45,6 +48,10 @@ class Plan:
     bounds: tuple[int, ...] | None  # global document offsets (cu_seqlens), or None
     needs_grad: bool  # grad mode is on: every rank builds the backward collectives
     chain: Chain | None  # orders this call's collectives in backward (exchange.py)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method: expected one of {METHODS}, got {self.method!r}")
 
     def for_backward(self) -> Plan:
         """This plan without its chain, for an autograd context to keep.
