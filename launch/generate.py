@@ -24,6 +24,7 @@ import dataclasses
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 
 import torch
@@ -122,6 +123,12 @@ def decode_config(cfg: TrainConfig) -> TrainConfig:
                                recompute_activations=False)
 
 
+def _quiet_megatron() -> None:
+    """Megatron warns about apex/TE as it imports; on CPU that is the expected state (as
+    in hla_sp.launch.train). Call inside ``warnings.catch_warnings()``."""
+    warnings.filterwarnings("ignore", message=".*(Apex|apex|full scope is deprecated).*")
+
+
 @contextlib.contextmanager
 def single_process() -> Iterator[None]:
     """A process group of one and Megatron's model-parallel groups (TP = CP = 1) for the
@@ -177,6 +184,18 @@ def max_positions(model: torch.nn.Module) -> int | None:
     """How many positions the model can embed (its learned table), None without one."""
     table = getattr(getattr(model, "embedding", None), "position_embeddings", None)
     return None if table is None else int(table.num_embeddings)
+
+
+def check_positions(model: torch.nn.Module, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Refuse a request longer than the model's learned positions, before any work."""
+    limit = max_positions(model)
+    # the last sampled token is never fed back, so it needs no position
+    need = prompt_tokens + max(max_new_tokens - 1, 0)
+    if limit is not None and need > limit:
+        raise GenerateError(
+            f"--max-new-tokens: the prompt ({prompt_tokens} tokens) and {max_new_tokens} "
+            f"new tokens need {need} positions, the model has {limit} (its --seq-length); "
+            f"ask for at most {max(limit - prompt_tokens + 1, 0)}")
 
 
 class Decoder:
@@ -260,14 +279,8 @@ def generate(model: torch.nn.Module, prompt: list[int], max_new_tokens: int,
     """Prefill ``prompt`` (ids), then sample up to ``max_new_tokens`` one at a time."""
     gen = torch.Generator().manual_seed(seed)
     out: list[int] = []
+    check_positions(model, len(prompt), max_new_tokens)
     with Decoder(model) as dec:
-        # the last sampled token is never fed back, so it needs no position
-        need = len(prompt) + max(max_new_tokens - 1, 0)
-        if dec.limit is not None and need > dec.limit:
-            raise GenerateError(
-                f"--max-new-tokens: the prompt ({len(prompt)} tokens) and {max_new_tokens} "
-                f"new tokens need {need} positions, the model has {dec.limit} (its "
-                f"--seq-length); ask for at most {max(dec.limit - len(prompt) + 1, 0)}")
         t0 = time.perf_counter()
         logits = dec.advance(torch.tensor([prompt]))[0, -1]
         t1 = time.perf_counter()
@@ -284,6 +297,25 @@ def generate(model: torch.nn.Module, prompt: list[int], max_new_tokens: int,
     return Generation(out, len(prompt), t1 - t0, t2 - t1)
 
 
+def _stream(args: argparse.Namespace) -> Generation:
+    """Load the model, print the prompt, then each new token as it comes (stdout)."""
+    model, _ = load_model(args.load, args.ckpt_step, args.device)
+    ids = prompt_ids(args.prompt)
+    check_positions(model, len(ids), args.max_new_tokens)  # before printing anything
+    text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    sys.stdout.write(args.prompt)
+
+    def emit(tok: int) -> None:
+        # an end of document (--no-stop-at-eod) shows as a new line
+        sys.stdout.write(text.decode(bytes([tok if tok < 256 else 10])))
+        sys.stdout.flush()
+
+    g = generate(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.seed,
+                 args.stop_at_eod, emit)
+    sys.stdout.write(text.decode(b"", final=True) + "\n")
+    return g
+
+
 def main(argv: list[str] | None = None) -> int:
     """The ``hla-sp generate`` command; the text goes to stdout, a timing line to stderr."""
     from hla_sp.launch.config import ConfigError
@@ -294,19 +326,10 @@ def main(argv: list[str] | None = None) -> int:
 
         require("megatron", "hla-sp generate")
         check_request(args)
-        with single_process():
-            model, _ = load_model(args.load, args.ckpt_step, args.device)
-            text = codecs.getincrementaldecoder("utf-8")(errors="replace")
-            sys.stdout.write(args.prompt)
-
-            def emit(tok: int) -> None:
-                # an end of document (--no-stop-at-eod) shows as a new line
-                sys.stdout.write(text.decode(bytes([tok if tok < 256 else 10])))
-                sys.stdout.flush()
-
-            g = generate(model, prompt_ids(args.prompt), args.max_new_tokens, args.temperature,
-                         args.top_k, args.seed, args.stop_at_eod, emit)
-            sys.stdout.write(text.decode(b"", final=True) + "\n")
+        with warnings.catch_warnings():
+            _quiet_megatron()
+            with single_process():
+                g = _stream(args)
     except (GenerateError, ConfigError) as e:  # one line, not a traceback
         print(f"hla-sp generate: error: {e}", file=sys.stderr)
         return 2

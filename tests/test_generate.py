@@ -186,7 +186,9 @@ def test_main_errors_in_one_line(ckpt, tmp_path, capsys, case, match):
         extra = (["--temperature", "-1"] if case == "temperature"
                  else ["--prompt", "x" * 60, "--max-new-tokens", "11"])
     assert gen.main(["--load", str(load), *extra]) == 2
-    err = capsys.readouterr().err.strip()
+    out, err = capsys.readouterr()
+    err = err.strip()
+    assert out == ""  # refused before the prompt is printed
     assert "\n" not in err and err.startswith("hla-sp generate: error: "), err
     assert re.search(match, err), err
 
