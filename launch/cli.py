@@ -3,10 +3,12 @@
     hla-sp train [--nproc-per-node N] [--nnodes N --rdzv-endpoint HOST:PORT ...] TRAINER FLAGS
     hla-sp sweep CONFIG [--output-dir DIR]
     hla-sp make-dataset --input FILES --output-prefix PREFIX
+    hla-sp generate --load DIR --prompt TEXT [--max-new-tokens N --temperature T ...]
 
 ``train`` checks the trainer flags against the world it is about to start
 (nproc-per-node x nnodes), then replaces itself with torchrun running
 ``-m hla_sp.launch.train``. Everything it does not know goes to the trainer.
+``generate`` samples from a checkpoint in this process (:mod:`hla_sp.launch.generate`).
 """
 
 from __future__ import annotations
@@ -156,7 +158,8 @@ def _train(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    usage = "usage: hla-sp {train,sweep,make-dataset} ... (hla-sp COMMAND --help for each)"
+    usage = ("usage: hla-sp {train,sweep,make-dataset,generate} ... "
+             "(hla-sp COMMAND --help for each)")
     if not argv or argv[0] in ("-h", "--help"):
         print(usage + "\n\n" + (__doc__ or ""))
         return 0 if argv else 2
@@ -177,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
 
         return make_main(rest)
+    if cmd == "generate":
+        from hla_sp.launch.generate import main as generate_main
+
+        return generate_main(rest)
     print(f"hla-sp: unknown command {cmd!r}\n{usage}", file=sys.stderr)
     return 2
 

@@ -38,6 +38,20 @@ def _group_size_rank(group: Any) -> tuple[int, int]:
     return torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
 
 
+class RecurrentState:
+    """One layer's decode state across GPTModel forwards (``hla_sp.launch.generate``).
+
+    While a core attention holds one (``core.recurrent = RecurrentState()``), each of its
+    forwards continues from ``state`` (None: a fresh sequence) and leaves its final state
+    there: a forward over the prompt is the prefill (chunk-parallel), a forward over one
+    token a decode step, O(1) in the context length. The state is what
+    :meth:`hla_sp.nn.HLAHeads.init_state` describes (a ``LayerState`` with a short conv).
+    """
+
+    def __init__(self) -> None:
+        self.state: tuple | None = None
+
+
 class HLACoreAttention(MegatronModule):
     """Higher-order linear attention for megatron-core's ``SelfAttention``.
 
@@ -58,6 +72,9 @@ class HLACoreAttention(MegatronModule):
             first_order, short_conv, ..., and sp_method, the exchange of the segment
             summaries across the context-parallel group), keyword-only; checked by it.
     """
+
+    # set while decoding (see RecurrentState); None: every forward is a whole sequence
+    recurrent: RecurrentState | None = None
 
     def __init__(
         self,
@@ -217,11 +234,29 @@ class HLACoreAttention(MegatronModule):
         if cu_seqlens is not None and q.shape[0] != 1:
             raise ValueError(f"query: a THD batch has batch size 1, got {q.shape[0]}")
         sp = self._sequence_parallel(self._cp_group(packed_seq_params))
-        o, _ = self.heads(q, k, v, cu_seqlens=cu_seqlens, sp=sp)
+        if self.recurrent is not None:
+            o = self._continue(q, k, v, cu_seqlens, sp)
+        else:
+            o, _ = self.heads(q, k, v, cu_seqlens=cu_seqlens, sp=sp)
         width = o.shape[2] * o.shape[3]  # explicit: a -1 is ambiguous for an empty shard
         if query.dim() == 3:
             return o.reshape(o.shape[1], width)
         return o.transpose(0, 1).reshape(o.shape[1], o.shape[0], width)
+
+    def _continue(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor | None,
+                  sp: Any) -> Tensor:
+        """The operator over q, k, v [B, T, H, K] from the held state, which it replaces
+        by the final one (a decode: one process, one sequence per batch row)."""
+        if cu_seqlens is not None or sp is not None:
+            raise ValueError(
+                "HLACoreAttention.recurrent: decoding runs one sequence per batch row on one "
+                f"context-parallel rank, got {'a THD batch' if sp is None else 'a CP group'}")
+        assert self.recurrent is not None
+        # One token has T = 1: the operator caps its chunk at T, so a step is one
+        # recurrent update, not a padded training chunk.
+        o, self.recurrent.state = self.heads(q, k, v, initial_state=self.recurrent.state,
+                                             output_final_state=True)
+        return o
 
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None

@@ -1,0 +1,343 @@
+"""``hla-sp generate``: prefill a prompt, then decode token by token with each layer's state.
+
+    hla-sp generate --load DIR --prompt TEXT [--max-new-tokens N] [--temperature T]
+                    [--top-k K] [--seed S] [--device cpu] [--ckpt-step N]
+
+The model is rebuilt from the checkpoint's ``config.json`` (one process, no context or
+tensor parallelism: a checkpoint of any CP size loads) and its weights from
+``model_optim_tp00.pt``. Tokens are bytes (ids 0..255; 256 ends a document), as the
+trainer's built-in data and ``make-dataset`` write them.
+
+Every HLA layer keeps its recurrent state (:class:`RecurrentState` in its core
+attention) across the model's forwards: the prompt is one forward (the chunk-parallel
+prefill) and each new token one forward of length 1, whose cost does not depend on how
+long the context already is; softmax attention instead reads a KV cache that grows by
+one entry per token (benchmarks/bench_generate.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import contextlib
+import dataclasses
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
+
+import torch
+from hla_sp.launch.config import TrainConfig
+
+BYTE_VOCAB = 257  # ids 0..255 are bytes, EOD ends a document (hla_sp.launch.data)
+EOD = 256
+
+
+class GenerateError(RuntimeError):
+    """A checkpoint or request generate cannot serve; the message is one line."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hla-sp generate", allow_abbrev=False,
+        description="Sample from a checkpoint of hla-sp train: prefill the prompt, then "
+                    "decode one token at a time with each HLA layer's recurrent state.")
+    p.add_argument("--load", required=True, help="Checkpoint directory (hla-sp train --save).")
+    p.add_argument("--ckpt-step", type=int, default=None,
+                   help="Load this iteration instead of the latest.")
+    p.add_argument("--prompt", default="", help="Text to continue (UTF-8 bytes); empty: "
+                   "start a document.")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="Tokens (bytes) to sample.")
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy (argmax).")
+    p.add_argument("--top-k", type=int, default=0, help="Sample among the k likeliest (0: all).")
+    p.add_argument("--seed", type=int, default=0, help="Seed of the sampling.")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N.")
+    p.add_argument("--stop-at-eod", action=argparse.BooleanOptionalAction, default=True,
+                   help="Stop when the model ends the document (token 256).")
+    return p
+
+
+def check_request(args: argparse.Namespace) -> None:
+    """The sampling flags, named in the error."""
+    if args.max_new_tokens < 0:
+        raise GenerateError(f"--max-new-tokens: expected >= 0, got {args.max_new_tokens}")
+    if not args.temperature >= 0:  # also refuses nan
+        raise GenerateError(f"--temperature: expected >= 0 (0: greedy), got {args.temperature}")
+    if args.top_k < 0:
+        raise GenerateError(f"--top-k: expected >= 0 (0: no cut), got {args.top_k}")
+
+
+def load_config(load: str, step: int | None = None) -> tuple[TrainConfig, int]:
+    """The config of a checkpoint under ``load`` (its latest iteration, or ``step``), checked
+    to be one generate decodes; (config, iteration)."""
+    from hla_sp.launch import checkpoint
+    from hla_sp.launch.config import ConfigError
+
+    if not os.path.isdir(load):
+        raise GenerateError(f"--load {load}: no such directory")
+    try:
+        it = checkpoint.latest_iteration(load) if step is None else step
+        if it is None:
+            raise GenerateError(f"--load {load}: no complete checkpoint there (expected "
+                                f"{checkpoint.LATEST} and an iter_ directory from --save)")
+        saved = checkpoint.saved_config(load, it)
+    except checkpoint.CheckpointError as e:
+        raise GenerateError(str(e)) from None
+    if saved is None:
+        raise GenerateError(f"{checkpoint.checkpoint_dir(load, it)}: no config.json (the "
+                            "checkpoint does not say which model it holds)")
+    try:
+        cfg = TrainConfig.from_dict(saved)
+    except (ConfigError, TypeError) as e:
+        raise GenerateError(f"{checkpoint.checkpoint_dir(load, it)}/config.json: {e}") from None
+    check_decodable(cfg)
+    return cfg, it
+
+
+def check_decodable(cfg: TrainConfig) -> None:
+    """Refuse, in one line, the models whose decode this command does not implement."""
+    if cfg.attention == "softmax" or cfg.hla.get("hla_layer_pattern") is not None:
+        raise GenerateError(
+            f"checkpoint: expected HLA attention in every layer (its state is what generate "
+            f"decodes with), got attention {cfg.attention!r}"
+            + (f" with layer pattern {cfg.hla['hla_layer_pattern']!r}"
+               if cfg.hla.get("hla_layer_pattern") is not None else ""))
+    if cfg.position_embedding_type == "rope":
+        raise GenerateError("checkpoint: position_embedding_type 'rope' is not decoded (a "
+                            "one-token forward would rotate at position 0); expected "
+                            "learned_absolute or none")
+    vocab = cfg.vocab_size or BYTE_VOCAB
+    if vocab != BYTE_VOCAB:
+        raise GenerateError(f"checkpoint: expected the byte-level vocabulary ({BYTE_VOCAB}), "
+                            f"got vocab_size {vocab}; generate has no other tokenizer")
+
+
+def decode_config(cfg: TrainConfig) -> TrainConfig:
+    """The training config as one process decodes it: no CP, TP or recompute."""
+    if cfg.tensor_model_parallel_size != 1:
+        raise GenerateError(f"checkpoint: expected tensor_model_parallel_size 1 (one "
+                            f"model_optim_tp00.pt holds every weight), got "
+                            f"{cfg.tensor_model_parallel_size}")
+    return dataclasses.replace(cfg, context_parallel_size=1, recompute_granularity=None,
+                               recompute_activations=False)
+
+
+def _quiet_megatron() -> None:
+    """Megatron warns about apex/TE as it imports; on CPU that is the expected state (as
+    in hla_sp.launch.train). Call inside ``warnings.catch_warnings()``."""
+    warnings.filterwarnings("ignore", message=".*(Apex|apex|full scope is deprecated).*")
+
+
+@contextlib.contextmanager
+def single_process() -> Iterator[None]:
+    """A process group of one and Megatron's model-parallel groups (TP = CP = 1) for the
+    model's construction; torn down after, when this call made them."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    made_group = not dist.is_initialized()
+    if made_group:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    made_ps = not ps.model_parallel_is_initialized()
+    if made_ps:
+        ps.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=1,
+                                     create_gloo_process_groups=False)
+    try:
+        yield
+    finally:
+        if made_ps:
+            ps.destroy_model_parallel()
+        if made_group:
+            dist.destroy_process_group()
+
+
+def load_model(load: str, step: int | None = None, device: str = "cpu"
+               ) -> tuple[torch.nn.Module, TrainConfig]:
+    """The checkpoint's GPTModel in eval mode on ``device``, and its config. Call inside
+    :func:`single_process`."""
+    from hla_sp.launch import checkpoint
+    from hla_sp.launch.model import build_model, model_dtype
+
+    cfg, it = load_config(load, step)
+    cfg = decode_config(cfg)
+    dev = torch.device(device)
+    torch.manual_seed(cfg.seed)  # the weights are overwritten; this keeps the build quiet
+    model = build_model(cfg, BYTE_VOCAB, dev).to(device=dev, dtype=model_dtype(cfg))
+    path = os.path.join(checkpoint.checkpoint_dir(load, it), "model_optim_tp00.pt")
+    try:
+        state = checkpoint._torch_load(path, "model weights")
+    except checkpoint.CheckpointError as e:
+        raise GenerateError(str(e)) from None
+    if "model" not in state:
+        raise GenerateError(f"{path}: no 'model' entry (keys {sorted(state)})")
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0]
+        raise GenerateError(f"{path}: the weights do not fit the model its config.json "
+                            f"describes ({first})") from None
+    return model.eval(), cfg
+
+
+def max_positions(model: torch.nn.Module) -> int | None:
+    """How many positions the model can embed (its learned table), None without one."""
+    table = getattr(getattr(model, "embedding", None), "position_embeddings", None)
+    return None if table is None else int(table.num_embeddings)
+
+
+def check_positions(model: torch.nn.Module, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Refuse a request longer than the model's learned positions, before any work."""
+    limit = max_positions(model)
+    # the last sampled token is never fed back, so it needs no position
+    need = prompt_tokens + max(max_new_tokens - 1, 0)
+    if limit is not None and need > limit:
+        raise GenerateError(
+            f"--max-new-tokens: the prompt ({prompt_tokens} tokens) and {max_new_tokens} "
+            f"new tokens need {need} positions, the model has {limit} (its --seq-length); "
+            f"ask for at most {max(limit - prompt_tokens + 1, 0)}")
+
+
+class Decoder:
+    """Decodes one sequence through a GPTModel with each HLA layer's state.
+
+    Use as a context manager: inside it every core attention of ``model`` holds a
+    :class:`RecurrentState`, and :meth:`advance` feeds the next tokens. A first call
+    over the prompt is the prefill; calls of one token are the decode steps.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        from hla_sp.megatron_patch.core_attention import HLACoreAttention
+
+        self.model = model
+        self.cores = [m for m in model.modules() if isinstance(m, HLACoreAttention)]
+        if not self.cores:
+            raise GenerateError("model: expected HLA core attention, found none")
+        self.limit = max_positions(model)
+        self.position = 0
+        self.device = next(model.parameters()).device
+
+    def __enter__(self) -> Decoder:
+        from hla_sp.megatron_patch.core_attention import RecurrentState
+
+        for core in self.cores:
+            core.recurrent = RecurrentState()
+        self.position = 0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for core in self.cores:
+            core.recurrent = None
+
+    @torch.no_grad()
+    def advance(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed tokens [1, n] after those fed so far; returns their logits [1, n, vocab]."""
+        if tokens.dim() != 2 or tokens.shape[0] != 1 or tokens.shape[1] < 1:
+            raise ValueError(f"tokens: expected [1, n] with n >= 1, got {tuple(tokens.shape)}")
+        n = tokens.shape[1]
+        if self.limit is not None and self.position + n > self.limit:
+            raise GenerateError(f"the context reached the model's {self.limit} learned "
+                                f"positions (its --seq-length); ask for fewer tokens")
+        pos = torch.arange(self.position, self.position + n, device=self.device)[None]
+        logits = self.model(tokens.to(self.device), pos, None)
+        self.position += n
+        return logits
+
+
+def sample(logits: torch.Tensor, temperature: float, top_k: int,
+           generator: torch.Generator | None) -> int:
+    """One token from logits [vocab] (the padded vocabulary's extra ids are never drawn)."""
+    x = logits[:BYTE_VOCAB].double()
+    if temperature == 0:
+        return int(x.argmax())
+    x = x / temperature
+    if 0 < top_k < x.numel():
+        cut = torch.topk(x, top_k).values[-1]
+        x = x.masked_fill(x < cut, float("-inf"))
+    probs = torch.softmax(x, -1)
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+@dataclasses.dataclass
+class Generation:
+    """What :func:`generate` produced: the new token ids and the two phases' timings."""
+
+    tokens: list[int]
+    prompt_tokens: int
+    prefill_s: float
+    decode_s: float
+
+
+def prompt_ids(prompt: str) -> list[int]:
+    """The prompt's byte ids; an empty prompt is the start of a document (EOD)."""
+    return list(prompt.encode("utf-8")) or [EOD]
+
+
+def generate(model: torch.nn.Module, prompt: list[int], max_new_tokens: int,
+             temperature: float = 0.0, top_k: int = 0, seed: int = 0, stop_at_eod: bool = True,
+             on_token: Callable[[int], None] | None = None) -> Generation:
+    """Prefill ``prompt`` (ids), then sample up to ``max_new_tokens`` one at a time."""
+    gen = torch.Generator().manual_seed(seed)
+    out: list[int] = []
+    check_positions(model, len(prompt), max_new_tokens)
+    with Decoder(model) as dec:
+        t0 = time.perf_counter()
+        logits = dec.advance(torch.tensor([prompt]))[0, -1]
+        t1 = time.perf_counter()
+        for i in range(max_new_tokens):
+            tok = sample(logits, temperature, top_k, gen)
+            if stop_at_eod and tok == EOD:
+                break
+            out.append(tok)
+            if on_token is not None:
+                on_token(tok)
+            if i + 1 < max_new_tokens:
+                logits = dec.advance(torch.tensor([[tok]]))[0, -1]
+        t2 = time.perf_counter()
+    return Generation(out, len(prompt), t1 - t0, t2 - t1)
+
+
+def _stream(args: argparse.Namespace) -> Generation:
+    """Load the model, print the prompt, then each new token as it comes (stdout)."""
+    model, _ = load_model(args.load, args.ckpt_step, args.device)
+    ids = prompt_ids(args.prompt)
+    check_positions(model, len(ids), args.max_new_tokens)  # before printing anything
+    text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    sys.stdout.write(args.prompt)
+
+    def emit(tok: int) -> None:
+        # an end of document (--no-stop-at-eod) shows as a new line
+        sys.stdout.write(text.decode(bytes([tok if tok < 256 else 10])))
+        sys.stdout.flush()
+
+    g = generate(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.seed,
+                 args.stop_at_eod, emit)
+    sys.stdout.write(text.decode(b"", final=True) + "\n")
+    return g
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``hla-sp generate`` command; the text goes to stdout, a timing line to stderr."""
+    from hla_sp.launch.config import ConfigError
+
+    args = build_parser().parse_args(argv)
+    try:
+        from hla_sp.launch.extras import require
+
+        require("megatron", "hla-sp generate")
+        check_request(args)
+        with warnings.catch_warnings():
+            _quiet_megatron()
+            with single_process():
+                g = _stream(args)
+    except (GenerateError, ConfigError) as e:  # one line, not a traceback
+        print(f"hla-sp generate: error: {e}", file=sys.stderr)
+        return 2
+    rate = len(g.tokens) / g.decode_s if g.decode_s > 0 else float("nan")
+    print(f"hla-sp generate: prefill {g.prompt_tokens} tokens in {g.prefill_s:.2f} s; "
+          f"decoded {len(g.tokens)} tokens at {rate:.1f} tokens/s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
