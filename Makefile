@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 EXTRAS ?= dev,triton,megatron,ray
 
-.PHONY: setup setup-megatron test test-slow lint demo demo-ops demo-1m demo-recall bench bench-sp bench-recall bench-lm bench-precision gpu-aot gpu-check clean
+.PHONY: setup setup-megatron test test-slow lint demo demo-ops demo-1m demo-recall sample bench bench-sp bench-recall bench-lm bench-precision gpu-aot gpu-check clean
 
 $(STAMP): pyproject.toml requirements-cpu.txt
 	python3 -m venv $(VENV)
@@ -83,6 +83,11 @@ bench: $(STAMP)
 
 # Recall across context-parallel ranks: the pairs on rank 0, the queries on rank 3
 # (600 steps, about 20 min on 2 cores).
+# Sample 200 bytes from the demo's checkpoint (run make demo first).
+sample: $(STAMP)
+	$(PY) -m hla_sp.launch.cli generate --load runs/demo/ckpt --prompt "def " \
+	    --max-new-tokens 200 --temperature 0.8 --top-k 40
+
 demo-recall: $(STAMP)
 	$(PY) -m hla_sp.launch.cli train --nproc-per-node 4 --context-parallel-size 4 \
 	    --data synthetic-recall --recall-pairs 4 --seq-length 64 --num-layers 2 \
