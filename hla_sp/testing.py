@@ -245,3 +245,68 @@ class World:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# Collectives and host reads that :func:`counting` counts, by the name they are counted
+# under; the tensor forms of the collectives are also bound under other names in
+# hla_sp.parallel's modules (patched there too).
+_DIST_CALLS = {
+    "all_gather": ("all_gather_into_tensor", "all_gather_single", "all_gather"),
+    "reduce_scatter": ("reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter"),
+    "all_reduce": ("all_reduce",),
+    "send": ("isend", "send"),
+    "recv": ("irecv", "recv"),
+    "broadcast": ("broadcast",),
+}
+_HOST_READS = ("item", "tolist", "cpu")
+
+
+@contextlib.contextmanager
+def counting() -> Any:
+    """Count torch.distributed collectives and host reads (``Tensor.item``, ``tolist``,
+    ``cpu``) made in this process inside the block; yields the live dict name -> count.
+
+    Every module of :mod:`hla_sp.parallel` that bound a collective under its own name
+    is patched too, so a call counts once whatever name it is made through. Calls on
+    helper threads (ring, tree) are counted as well.
+    """
+    import importlib
+    import threading
+
+    counts: dict[str, int] = {}
+    lock = threading.Lock()
+    patched: list[tuple[object, str, object]] = []
+
+    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*a: Any, **kw: Any) -> Any:
+            with lock:
+                counts[name] = counts.get(name, 0) + 1
+            return fn(*a, **kw)
+
+        counted._hla_counted = True  # type: ignore[attr-defined]
+        return counted
+
+    def patch(owner: object, attr: str, name: str) -> None:
+        fn = getattr(owner, attr, None)
+        if fn is None or getattr(fn, "_hla_counted", False):
+            return
+        patched.append((owner, attr, fn))
+        setattr(owner, attr, wrap(name, fn))
+
+    modules = [dist]
+    for m in ("comm", "exchange", "halo", "agreement", "p2p", "config", "primitive"):
+        with contextlib.suppress(ImportError):
+            modules.append(importlib.import_module(f"hla_sp.parallel.{m}"))
+    originals = {id(getattr(dist, a, None)): n for n, attrs in _DIST_CALLS.items()
+                 for a in attrs if getattr(dist, a, None) is not None}
+    for mod in modules:
+        for attr, value in list(vars(mod).items()):
+            if callable(value) and id(value) in originals:
+                patch(mod, attr, originals[id(value)])
+    for attr in _HOST_READS:
+        patch(torch.Tensor, attr, attr)
+    try:
+        yield counts
+    finally:
+        for owner, attr, fn in reversed(patched):
+            setattr(owner, attr, fn)

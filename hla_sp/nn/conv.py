@@ -33,6 +33,7 @@ from torch._subclasses.fake_tensor import maybe_get_fake_mode, unset_fake_tempor
 
 from hla_sp.parallel import exchange, halo
 from hla_sp.parallel.plan import Plan
+from hla_sp.parallel.summaries import SIGNATURE_WORDS, signature_words, verify_signatures
 
 
 class _Layout:
@@ -94,6 +95,29 @@ def _read(buf: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     if consecutive:
         return buf.narrow(1, first, T)
     return buf.index_select(1, _on(rows, buf))
+
+
+def _gather_signed(plan: Plan, tails: torch.Tensor) -> torch.Tensor:
+    """Every rank's tails [P, slots, B, W-1, C]. With the call's signature (a plan of
+    :meth:`SequenceParallel.check_call` under check="auto"), one more slot carries it
+    in the same all-gather, and every rank compares all ranks' words on the device
+    before the call's next collective (hla_sp.parallel.config explains why)."""
+    sig = getattr(plan, "signature", None)
+    if (sig is None or tails[:1].numel() < SIGNATURE_WORDS
+            or tails.dtype not in (torch.float32, torch.float64)):  # 21-bit words: exact
+        return halo.gather_tails(plan, tails)
+    slot = tails.new_zeros(tails[:1].shape)
+    slot.view(-1)[:SIGNATURE_WORDS] = signature_words(sig, tails.dtype)
+    gathered = halo.gather_tails(plan, torch.cat([tails, slot]))
+    P = gathered.shape[0]
+    try:
+        verify_signatures(gathered[:, -1].reshape(P, -1)[:, :SIGNATURE_WORDS])
+    except RuntimeError:
+        recheck = getattr(plan, "recheck", None)
+        if recheck is not None:
+            recheck()  # every rank is here: the full check says what differs
+        raise
+    return gathered[:, :-1]
 
 
 class ShortConv(nn.Module):
@@ -178,7 +202,7 @@ class ShortConv(nn.Module):
             parts = [state.to(x.dtype)]  # [B, W-1, C]: row b reads its own
         parts.append(x)
         if plan is not None:
-            gathered = halo.gather_tails(plan, halo.own_tails(plan, x, W - 1))
+            gathered = _gather_signed(plan, halo.own_tails(plan, x, W - 1))
             # [P, slots, B, W-1, C] -> [B, P * slots * (W-1), C], flattened as tail_index.
             parts.append(gathered.permute(2, 0, 1, 3, 4).reshape(B, -1, C))
         halo_rows = parts[-1].shape[1] if plan is not None else 0

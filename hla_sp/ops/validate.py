@@ -337,7 +337,9 @@ def check_inputs(
     q, k, v = check_qkv(q, k, v, value_name=value_name, allow_empty=sp is not None)
     B, T, H, K = q.shape
     sc = check_scale(scale, K)  # type: ignore[arg-type]
-    g = check_log_decay(log_decay, q)
+    # Under sp the sign is checked with the ranks' agreement, on the device (a check
+    # of one rank's shard alone would raise on that rank only).
+    g = check_log_decay(log_decay, q, check_values=sp is None)
     cu = check_cu_seqlens(cu_seqlens, q, total=None if sp is not None else T)
     cs = check_chunk_size(chunk_size, T)
     check_bool("output_final_state", output_final_state)

@@ -1,23 +1,58 @@
 """``SequenceParallel``: the validated description of how a sequence is sharded.
 
-Each public call checks, once and with one small all-gather, that every rank of the
-group agrees on the call (shapes, dtype, layout, method, operator, scale, whether
-log_decay is given and its kind (per token, or a per-head constant and a digest of its
-values), each named option (an initial state: whether it is given and a digest of its
-values), document boundaries) before any summary is exchanged. A mismatch raises the
-same ValueError on every rank, naming what differs, its value on each rank and on
-which ranks, instead of hanging in a later collective or silently computing with one
-rank's values (the rows, digests and messages are in :mod:`hla_sp.parallel.agreement`).
-:meth:`SequenceParallel.check_call` returns the call's
-:class:`~hla_sp.parallel.plan.Plan`, which the caller hands to every primitive stage
-of the call: ``SequenceParallel`` itself is configuration. It implements the protocol
+**Agreement.** Every rank of the group must make the same call (shapes, dtype, layout,
+method, operator, scale, the log_decay kind and a per-head constant's values, each
+named option, an initial state's values, document boundaries, grad mode); otherwise a
+collective would hang or compute with one rank's values. Two ways to check it:
+
+- the *full check* (:mod:`hla_sp.parallel.agreement`): one all-gather of a small
+  int64 row per rank, read on the host, and a ValueError naming what differs, its
+  value on each rank and on which ranks, raised with the same text on every rank;
+- the *signature*: the same facts hashed into one 63-bit word (tensor values by an
+  on-device digest, the log_decay sign by an on-device bit, so no host read), which
+  rides in the first all-gather the math makes anyway: the conv halo of a layer
+  (:mod:`hla_sp.nn.conv`) or the summaries' all-gather (``method="allgather"``,
+  :mod:`hla_sp.parallel.summaries`). Every rank receives every rank's word and
+  compares them on the device before any collective that the call's options decide.
+
+``check`` chooses: ``"always"`` runs the full check on every call (debugging);
+``"never"`` runs none; ``"auto"`` (default) runs it on the first call of each
+operator kind on this object, and afterwards relies on the signature.
+
+Why the signature, and not "check when my call changed": a decision to check must be
+the same on every rank, or the rank that checks waits in a collective the others never
+join. If one rank changes an option at step 10, only its local signature changes. With
+the signature carried in a collective every rank makes anyway, no rank decides
+anything alone: every rank sees the same table of words, so a mismatch fails on every
+rank at the same collective. On CPU the device assert raises at once, and every rank
+then runs the full check together for the detailed ValueError; on an accelerator it
+is a device-side assert ordered on the stream before every later collective (run
+with ``check="always"`` for the message). The same holds for a different
+``cu_seqlens`` on one rank (its bounds are hashed into the word).
+
+Where no all-gather reaches every rank (ring and tree exchange only point-to-point
+messages: a rank's carry holds only the earlier pieces), auto repeats the full check
+on a schedule every rank shares, every ``RECHECK_EVERY``-th call of each kind; a
+change on one rank in between is not caught (it may block in a collective): use
+``check="always"`` there. A contiguous layout without a batch plan runs the full check
+on every call: it must learn the other ranks' local lengths anyway. Also not covered
+after a kind's first call under auto: a rank that
+changes what sets the first collective's size (B, heads, head dims, dtype,
+``normalize``) or calls another operator kind than the others; and a problem of the
+rank's own shard (an odd zigzag length, offsets that do not end at T) raises on that
+rank alone.
+
+:meth:`SequenceParallel.check_call` returns the call's plan (a
+:class:`~hla_sp.parallel.plan.Plan` with its signature), which the caller hands to
+every primitive stage of the call: ``SequenceParallel`` itself is configuration plus
+which kinds it has checked. It implements the protocol
 :class:`hla_sp.ops.sharding.SequenceParallelism` that the operators call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,8 +66,16 @@ from hla_sp.parallel.agreement import disagreements, gather_rows, metadata_row, 
 from hla_sp.parallel.layouts import LAYOUTS, layout_pieces
 from hla_sp.parallel.plan import METHODS, Chain, Plan
 from hla_sp.parallel.primitive import sp_primitive
+from hla_sp.parallel.signature import SignedPlan, call_signature, decay_ok, recheck_mismatch
 
-__all__ = ["METHODS", "SequenceParallel"]
+__all__ = ["CHECKS", "METHODS", "SequenceParallel"]
+
+CHECKS = ("auto", "always", "never")
+# Calls whose first collective is the conv halo's all-gather (every rank sees every
+# rank's signature whatever the method).
+HALO_OPS = ("short-conv/",)
+# Without a signature (ring, tree), auto repeats the full check on this shared schedule.
+RECHECK_EVERY = 64
 
 
 @dataclass
@@ -72,6 +115,13 @@ class SequenceParallel:
     mesh_dim: str | int | None = None
     """With a ``DeviceMesh`` of more than one dimension as ``group``: the name (or
     index) of its context-parallel dimension, e.g. ``"cp"``."""
+    check: str = "auto"
+    """When the ranks' agreement on a call is checked (module docs): "auto" (the
+    first call of each operator kind by the full check, then by the signature that
+    rides in the call's first all-gather), "always" (the full check on every call,
+    one host read each: for debugging) or "never"."""
+    _agreed: set = field(default_factory=set, init=False, repr=False, compare=False)
+    _calls: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if _is_device_mesh(self.group):
@@ -95,6 +145,8 @@ class SequenceParallel:
             raise ValueError(f"layout: expected one of {LAYOUTS}, got {self.layout!r}")
         if self.method not in METHODS:
             raise ValueError(f"method: expected one of {METHODS}, got {self.method!r}")
+        if self.check not in CHECKS:
+            raise ValueError(f"check: expected one of {CHECKS}, got {self.check!r}")
         if not isinstance(self.overlap, bool):
             raise TypeError(f"overlap: expected a bool, got {type(self.overlap).__name__}")
         t = self.check_timeout_s
@@ -135,39 +187,78 @@ class SequenceParallel:
         op: str,
         options: Mapping[str, object] | Sequence[tuple[str, object]],
     ) -> Plan:
-        """Check that every rank agrees on this call; raise the same error everywhere.
+        """Check that every rank agrees on this call (module docs: by the full check or
+        the signature, as ``check`` says); raise the same error everywhere.
 
         ``options`` names every option that must agree: a mapping name -> value, or
         (name, value) pairs. A value is None, a bool, int, float or str (compared
         exactly), or a tensor or tuple of tensors such as an initial state (compared by
         whether one is given and a digest of its values). Scale and log_decay come from
-        ``inputs``. One all-gather of a small int64 row per rank. Returns the call's
-        :class:`Plan`, which every primitive stage of the call takes (``plan=``).
+        ``inputs``. Returns the call's :class:`Plan`, which every primitive stage of
+        the call takes (``plan=``).
         """
         group = self._group()
         rank, P = dist.get_rank(group), dist.get_world_size(group)
         cu = inputs.cu_seqlens
         bounds = None if cu is None else tuple(int(c) for c in cu.tolist())
         named = named_options(options)
+        foldable = op.startswith(HALO_OPS) or self.method == "allgather"
+        known = self.layout == "zigzag" or P == 1  # every rank's length follows from mine
+        calls = self._calls[op] = self._calls.get(op, -1) + 1  # the same count on every rank
+        full = (self.check == "always"
+                or (self.check == "auto" and (op not in self._agreed or (
+                    not foldable and calls % RECHECK_EVERY == 0)))
+                or not known)
+        if full:
+            lengths = self._full_check(inputs, op, named, bounds, group, P)
+            if self.check == "auto":
+                self._agreed.add(op)
+        else:
+            lengths = (inputs.T,) * P
+            problems = self._call_problems(lengths, bounds)
+            if problems:  # this rank's own shard: every rank with the same shard raises
+                raise ValueError("SequenceParallel: " + "; ".join(problems))
+        signature = None  # a fully checked call needs none (every rank checked it)
+        if self.check == "auto" and foldable and P > 1 and not full:
+            signature = call_signature(inputs, op, named, bounds, lengths, self.layout,
+                                       self.method)
+        needs_grad = torch.is_grad_enabled()
+        token = torch.zeros((), dtype=torch.float32, requires_grad=needs_grad)
+
+        def recheck() -> None:
+            self._full_check(inputs, op, named, bounds, group, P)
+
+        return SignedPlan(
+            rank=rank, world_size=P, group=group, method=self.method, overlap=self.overlap,
+            lengths=lengths, pieces=tuple(layout_pieces(self.layout, list(lengths))),
+            T=sum(lengths), bounds=bounds, needs_grad=needs_grad, chain=Chain(token),
+            signature=signature, recheck=recheck,
+        )
+
+    def _full_check(
+        self, inputs: Inputs, op: str, named: list[tuple[str, object]],
+        bounds: tuple[int, ...] | None, group: dist.ProcessGroup, P: int,
+    ) -> tuple[int, ...]:
+        """The full check (one all-gather, one host read); returns every rank's local T.
+        The log_decay sign travels in the row too (one column before local T), so a
+        rank's bad decay raises on every rank."""
         row = metadata_row(inputs, op, named, bounds, layout=self.layout, method=self.method)
+        row = torch.cat([row[:-1], decay_ok(inputs.g).to(row.device)[None], row[-1:]])
         table = gather_rows(row, group, P, op, self.check_timeout_s)
         lengths = tuple(r[-1] for r in table)
         names = [n for n, _ in named]
         problems = disagreements(table, names) or self._call_problems(lengths, bounds)
+        bad = [r for r, row in enumerate(table) if row[-2] == 0]
+        if not problems and bad:
+            problems = [f"log_decay: expected values <= 0 (gamma = exp(log_decay) <= 1), "
+                        f"got a value > 0 or NaN on ranks {bad}"]
         if problems:
             # The same text on every rank: it is built from the gathered table only.
             raise ValueError(
                 "SequenceParallel: the ranks of the group disagree on this call: "
                 + "; ".join(problems)
             )
-        needs_grad = torch.is_grad_enabled()
-        token = torch.zeros((), dtype=torch.float32, requires_grad=needs_grad)
-        plan = Plan(
-            rank=rank, world_size=P, group=group, method=self.method, overlap=self.overlap,
-            lengths=lengths, pieces=tuple(layout_pieces(self.layout, list(lengths))),
-            T=sum(lengths), bounds=bounds, needs_grad=needs_grad, chain=Chain(token),
-        )
-        return plan
+        return lengths
 
     def _call_problems(
         self, lengths: tuple[int, ...], bounds: tuple[int, ...] | None
@@ -218,9 +309,13 @@ class SequenceParallel:
                 f"{q.shape[1]}): the plan was made for local T = {plan.lengths[plan.rank]}"
                 f" and {'no' if plan.bounds is None else ''} cu_seqlens"
             )
-        return sp_primitive(
-            q, k, v, g, h0=h0, want_final=want_final, chunk_size=chunk_size, plan=plan
-        )
+        try:
+            return sp_primitive(
+                q, k, v, g, h0=h0, want_final=want_final, chunk_size=chunk_size, plan=plan
+            )
+        except RuntimeError as e:
+            recheck_mismatch(plan, e)
+            raise
 
 
 def _is_device_mesh(x: object) -> bool:

@@ -93,6 +93,7 @@ class _Call:
     views: list[View]  # per own piece, in the compute dtype
     segs: list[list[Segment]]  # per own piece
     h0_of: Callable[[int], Tensor | None]  # a document's initial state, or None
+    sig: Tensor | None  # the call's signature words, carried by every summary, or None
 
 
 def sp_primitive(
@@ -135,9 +136,13 @@ def sp_primitive(
     for p in plan.own:
         s, e = p.local_offset, p.local_offset + p.length
         views.append((qc[:, s:e], kc[:, s:e], vc[:, s:e], _part(gc, s, e)))
+    # The call's signature rides in the summaries where every rank sees every piece
+    # (the all-gather; hla_sp.parallel.config explains the agreement design).
+    sig = getattr(plan, "signature", None) if plan.method == "allgather" else None
     call = _Call(
-        plan, S.SummaryShape(B, H, K, v.shape[-1]), cdt, views,
+        plan, S.SummaryShape(B, H, K, v.shape[-1], signed=sig is not None), cdt, views,
         [_segments(p, starts, ends) for p in plan.own], h0_of,
+        None if sig is None else S.signature_words(sig, cdt),
     )
     works = _split_works(call, chunk_size) if _use_split(q) else None
     Xs, last_state = _summaries(call, q.device, works)  # 1.
@@ -264,7 +269,7 @@ def _summaries(
     X, last_state = [], []
     for j, ((qp, kp, vp, gp), sg) in enumerate(zip(call.views, call.segs)):
         if not sg:
-            X.append(S.identity(shape, cdt, device))
+            X.append(S.signed_identity(shape, cdt, device, call.sig))
             last_state.append(None)
             continue
         last = sg[-1]
@@ -283,7 +288,7 @@ def _summaries(
         if h0d is not None:
             h = carry_into(h, a, h0d)
         a_tot = a if last.begin == 0 else (gp.sum(1) if gp is not None else torch.zeros_like(a))
-        X.append(S.pack(shape, h, a_tot, start))
+        X.append(S.pack(shape, h, a_tot, start, call.sig))
     Xs = torch.stack(X) if X else torch.zeros(0, shape.size, dtype=cdt, device=device)
     return Xs, last_state
 

@@ -10,6 +10,14 @@ A and a later segment B:
 Summaries travel between ranks packed in one flat buffer [D], D = BHKV + BH + 1, in
 fp32 (fp64 for fp64 inputs) whatever the input dtype: bf16 states lose the small
 contributions of long-decayed history.
+
+With ``SummaryShape.signed`` the buffer also carries the call's signature, three words
+of 21 bits (exact in fp32) just before the flag, D = BHKV + BH + 4: every rank's
+signature then rides in the exchange the math makes anyway, and where every rank sees
+every piece (the all-gather) :func:`exclusive_prefixes` compares them on the device
+(:func:`verify_signatures`; the agreement design is in :mod:`hla_sp.parallel.config`).
+The signature words are constants: ⊕ keeps the later operand's, and they get no
+gradient.
 """
 
 from __future__ import annotations
@@ -27,21 +35,64 @@ class SummaryShape:
     H: int
     K: int
     V: int
+    signed: bool = False  # the buffer carries the call's signature (SIGNATURE_WORDS)
 
     @property
     def n_state(self) -> int:
         return self.B * self.H * self.K * self.V
 
     @property
+    def n_sig(self) -> int:
+        return SIGNATURE_WORDS if self.signed else 0
+
+    @property
     def size(self) -> int:
         """D, the number of elements of one packed summary."""
-        return self.n_state + self.B * self.H + 1
+        return self.n_state + self.B * self.H + self.n_sig + 1
 
 
-def pack(shape: SummaryShape, h: torch.Tensor, a: torch.Tensor, start: bool) -> torch.Tensor:
-    """(h [B, H, K, V], a [B, H], start) -> [D]."""
+# A 63-bit signature as three 21-bit words: exact in fp32 and fp64.
+SIGNATURE_WORDS, _WORD_BITS = 3, 21
+SIGNATURE_MISMATCH = "SequenceParallel: the ranks' call signatures differ"
+
+
+def signature_words(sig: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An int64 signature (a 0-d tensor, any device) -> [SIGNATURE_WORDS] of ``dtype``."""
+    mask = (1 << _WORD_BITS) - 1
+    parts = [(sig >> (_WORD_BITS * i)) & mask for i in range(SIGNATURE_WORDS)]
+    return torch.stack(parts).to(dtype)
+
+
+def verify_signatures(words: torch.Tensor) -> None:
+    """Assert, on the device, that every row of ``words`` [n, SIGNATURE_WORDS] is the
+    same: no host read. On CPU a mismatch raises a RuntimeError naming
+    ``SIGNATURE_MISMATCH`` at once; on an accelerator the assert is ordered on the
+    stream before every later collective, so no rank runs one past it."""
+    if words.shape[0] > 1:
+        torch._assert_async((words == words[:1]).all(), SIGNATURE_MISMATCH)
+
+
+def pack(
+    shape: SummaryShape, h: torch.Tensor, a: torch.Tensor, start: bool,
+    sig: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(h [B, H, K, V], a [B, H], start) -> [D]; ``sig``: the words of
+    :func:`signature_words` (required when ``shape.signed``)."""
     flag = h.new_full((1,), 1.0 if start else 0.0)
-    return torch.cat([h.reshape(-1), a.reshape(-1).to(h.dtype), flag])
+    parts = [h.reshape(-1), a.reshape(-1).to(h.dtype)]
+    if shape.signed:
+        parts.append(sig.to(device=h.device, dtype=h.dtype))  # type: ignore[union-attr]
+    return torch.cat([*parts, flag])
+
+
+def signed_identity(shape: SummaryShape, dtype: torch.dtype, device: torch.device,
+                    sig: torch.Tensor | None) -> torch.Tensor:
+    """The identity summary carrying ``sig`` (the summary of an empty piece)."""
+    x = identity(shape, dtype, device)
+    if shape.signed:
+        n = shape.n_state + shape.B * shape.H
+        x[n : n + SIGNATURE_WORDS] = sig.to(device=device, dtype=dtype)  # type: ignore[union-attr]
+    return x
 
 
 def unpack(shape: SummaryShape, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -69,7 +120,14 @@ def combine(shape: SummaryShape, x: torch.Tensor, y: torch.Tensor) -> torch.Tens
     cut = (p == 0)[..., None, None]
     h = torch.where(cut, hy, p[..., None, None] * torch.where(cut, 0.0, hx) + hy)
     s = torch.maximum(sx.detach(), sy)
-    return torch.cat([h.flatten(-4), (ax + ay).flatten(-2), s[..., None]], dim=-1)
+    sig = _sig(shape, y.detach())
+    return torch.cat([h.flatten(-4), (ax + ay).flatten(-2), sig, s[..., None]], dim=-1)
+
+
+def _sig(shape: SummaryShape, x: torch.Tensor) -> torch.Tensor:
+    """The signature words of x [..., D] ([..., 0] when unsigned)."""
+    n = shape.n_state + shape.B * shape.H
+    return x[..., n : n + shape.n_sig]
 
 
 def combine_vjp(
@@ -89,7 +147,7 @@ def combine_vjp(
     cut = w == 0  # nothing of x crosses it, in either direction: selects, not products
     dhx = torch.where(cut[..., None, None], 0.0, w[..., None, None] * dh)
     day = da + torch.where(cut, 0.0, w * (hx * dh).sum((-1, -2)))
-    zero = d_out[..., -1:].new_zeros(d_out[..., -1:].shape)
+    zero = d_out[..., -1:].new_zeros(*d_out.shape[:-1], shape.n_sig + 1)
     dx = torch.cat([dhx.flatten(-4), da.flatten(-2), zero], dim=-1)
     dy = torch.cat([dh.flatten(-4), day.flatten(-2), zero], dim=-1)
     return dx, dy
@@ -99,8 +157,11 @@ def exclusive_prefixes(shape: SummaryShape, xs: torch.Tensor, want: list[int]) -
     """Left fold: for each m in ``want``, x_0 ⊕ ... ⊕ x_{m-1} (identity for m = 0).
 
     Args:
-        xs: [M, D] summaries in global order. Returns [len(want), D].
+        xs: [M, D] summaries in global order (every piece: with a signature, they
+            are compared here first). Returns [len(want), D].
     """
+    if shape.signed:
+        verify_signatures(_sig(shape, xs.detach()))
     out: dict[int, torch.Tensor] = {}
     acc = identity(shape, xs.dtype, xs.device)
     last = max(want, default=-1)
