@@ -148,9 +148,9 @@ def test_late_mismatch_raises_on_every_rank(world) -> None:
     change and raises the full check's message (WorldTimeout on a hang)."""
     per_rank = world(P).run(_late_mismatch_task, timeout=240)
     expect = {
-        "option": "option 'output_final_state' differs: False on ranks [0], True on ranks [1]",
+        "option": "output_final_state differs across ranks: False on ranks [0], True on ranks [1]",
         "documents": "cu_seqlens differs",
-        "layer": "option 'output_final_state' differs: True on ranks [0], False on ranks [1]",
+        "layer": "output_final_state differs across ranks: True on ranks [0], False on ranks [1]",
     }
     for seen in per_rank:
         assert len(seen) == len(expect), seen
