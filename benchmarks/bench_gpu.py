@@ -156,8 +156,10 @@ def check_large_offsets(device: str, T: int, H: int, K: int, V: int, L: int = 20
     the tail, the prefix's segment summary, so the reference runs on the tail alone.
     A 32-bit offset overflow would read or write the wrong memory there.
     """
-    from hla_sp.ops.chunk import chunk_linear_attention, segment_summary
-    from hla_sp.ops.custom_op import chunk_linear_attention_triton
+    from hla_sp.ops.chunk import segment_summary
+    from hla_sp.ops.custom_op import chunk_linear_attention_triton, make_chunk_impl
+
+    chunk_linear_attention = make_chunk_impl("torch")
 
     torch.manual_seed(3)
     q, k, v = (torch.randn(1, T, H, d, device=device, dtype=torch.bfloat16) for d in (K, K, V))

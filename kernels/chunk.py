@@ -58,15 +58,17 @@ MIN_CHUNK = 16  # tl.dot needs every dimension >= 16
 MAX_CHUNK = 64  # larger tiles only add register pressure
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    """IEEE fp32 dots unless torch itself is allowed TF32 for fp32 matmuls."""
+def dot_precision(dtype: torch.dtype) -> str:
+    """The ``DOT_PREC`` of a launch for inputs of ``dtype``: IEEE fp32 dots ("ieee")
+    unless torch itself is allowed TF32 for fp32 matmuls ("tf32")."""
     if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
         return "tf32"
     return "ieee"
 
 
-def _upcast(dtype: torch.dtype) -> bool:
-    """Under the interpreter, compute bf16 in fp32 with the roundings emulated.
+def upcast_bf16(dtype: torch.dtype) -> bool:
+    """The ``UPCAST`` flag of a launch for inputs of ``dtype``: True for bf16 under the
+    interpreter, which then computes in fp32 with the roundings emulated.
 
     Triton's CPU interpreter holds bf16 as raw 16-bit integers: conversions are right,
     arithmetic and dots on them are not. The kernels then widen every bf16 load to
@@ -79,8 +81,9 @@ def _upcast(dtype: torch.dtype) -> bool:
 BLOCK_CAP = 64  # largest K or V tile; tests lower it to 16 to exercise several blocks
 
 
-def _block(d: int, cap: int | None = None) -> int:
-    """A power-of-two tile covering d (at least 16 for tl.dot), at most the cap."""
+def tile_width(d: int, cap: int | None = None) -> int:
+    """The BK / BV tile for a dimension d: a power of two covering d (at least 16 for
+    tl.dot), at most ``cap`` and :data:`BLOCK_CAP`."""
     cap = BLOCK_CAP if cap is None else min(cap, BLOCK_CAP)
     return min(max(16, triton.next_power_of_2(d)), cap)
 
@@ -126,7 +129,7 @@ def tiling(dtype: torch.dtype) -> Tiling:
     with a decay on sm_80; 16-bit inputs therefore use 32-token chunks, as TF32 does.
     """
     if dtype == torch.float32:
-        if _dot_precision(dtype) == "ieee":
+        if dot_precision(dtype) == "ieee":
             return Tiling(chunk=16, block=32, num_warps=4)
         return Tiling(chunk=32, block=32, num_warps=8)
     return Tiling(chunk=32, block=32, num_warps=8, narrow_stages=2)
@@ -159,7 +162,7 @@ def state_passing(
     chunks is latency bound, and more programs per head hide more of it.
     """
     B, H, N, DX, DY = hs.shape
-    BX, BY = _block(DX, 32), _block(DY, 32)
+    BX, BY = tile_width(DX, 32), tile_width(DY, 32)
     state_passing_kernel[(triton.cdiv(DX, BX) * triton.cdiv(DY, BY), B * H)](
         hs, g, resets, h_init, h_last, T, H, DX, DY, N,
         BT=BT, BX=BX, BY=BY, REVERSE=reverse, HAS_G=g is not None, HAS_R=resets is not None,
@@ -189,13 +192,13 @@ def chunk_states(
     V = v.shape[-1]
     N = triton.cdiv(T, BT)
     tl_ = tiling(k.dtype)
-    BK, BV = _block(K, tl_.block), _block(V, tl_.block)
+    BK, BV = tile_width(K, tl_.block), tile_width(V, tl_.block)
     NK, NV = triton.cdiv(K, BK), triton.cdiv(V, BV)
     hs = torch.empty(B, H, N, K, V, dtype=torch.float32, device=k.device)
     chunk_state_kernel[(N, NK * NV, B * H)](
         k, v, g, resets, hs, T, H, K, V, N,
         BT=BT, BX=BK, BY=BV, CARRY=False, HAS_G=g is not None, HAS_R=resets is not None,
-        DOT_PREC=_dot_precision(k.dtype), UPCAST=_upcast(k.dtype), num_warps=tl_.num_warps,
+        DOT_PREC=dot_precision(k.dtype), UPCAST=upcast_bf16(k.dtype), num_warps=tl_.num_warps,
         num_stages=tl_.num_stages,
     )
     h_last = torch.empty(B, H, K, V, dtype=torch.float32, device=k.device) if store_last else None
@@ -223,11 +226,11 @@ def chunk_fwd(
     hs, h_last = chunk_states(k, v, g, resets, h0, BT)
     o = torch.empty(B, T, H, V, dtype=torch.float32, device=q.device)  # as the torch path
     tl_ = tiling(q.dtype)
-    BK, BV = _block(K, tl_.block), _block(V, tl_.block)
+    BK, BV = tile_width(K, tl_.block), tile_width(V, tl_.block)
     chunk_fwd_o_kernel[(N, triton.cdiv(V, BV), B * H)](
         q, k, v, hs, g, resets, o, T, H, K, V, N,
         BT=BT, BK=BK, BV=BV, HAS_G=g is not None, HAS_R=resets is not None,
-        DOT_PREC=_dot_precision(q.dtype), UPCAST=_upcast(q.dtype), num_warps=tl_.num_warps,
+        DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_bf16(q.dtype), num_warps=tl_.num_warps,
         num_stages=tl_.num_stages,
     )
     assert h_last is not None
@@ -258,10 +261,10 @@ def chunk_bwd(
     V = v.shape[-1]
     N = triton.cdiv(T, BT)
     tl_ = tiling(q.dtype)
-    BK, BV = _block(K, tl_.block), _block(V, tl_.block)
+    BK, BV = tile_width(K, tl_.block), tile_width(V, tl_.block)
     NK, NV = triton.cdiv(K, BK), triton.cdiv(V, BV)
     HAS_G, HAS_R = g is not None, resets is not None
-    prec = _dot_precision(q.dtype)
+    prec = dot_precision(q.dtype)
     nw = tl_.num_warps
     # Recompute: the states entering each chunk (and h_T, needed for dg).
     hs, h_last = chunk_states(k, v, g, resets, h0, BT, store_last=HAS_G and dht is not None)
@@ -270,23 +273,23 @@ def chunk_bwd(
     chunk_state_kernel[(N, NK * NV, B * H)](
         q, do, g, resets, dhs, T, H, K, V, N,
         BT=BT, BX=BK, BY=BV, CARRY=True, HAS_G=HAS_G, HAS_R=HAS_R,
-        DOT_PREC=prec, UPCAST=_upcast(q.dtype), num_warps=nw, num_stages=tl_.num_stages,
+        DOT_PREC=prec, UPCAST=upcast_bf16(q.dtype), num_warps=nw, num_stages=tl_.num_stages,
     )
     dh0 = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device) if h0 is not None else None
     state_passing(dhs, g, resets, dht, dh0, T, BT, reverse=True)
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dv = torch.empty_like(v)
-    BKn = _block(K, tl_.narrow)  # dq/dk's own K tile, and its number of K blocks
+    BKn = tile_width(K, tl_.narrow)  # dq/dk's own K tile, and its number of K blocks
     NKn = triton.cdiv(K, BKn)
     dA = torch.empty(NKn, B, T, H, dtype=torch.float32, device=q.device) if HAS_G else None
     chunk_bwd_dv_kernel[(N, NV, B * H)](
         q, k, do, dhs, g, resets, dv, T, H, K, V, N,
-        BT=BT, BK=BK, BV=BV, HAS_G=HAS_G, HAS_R=HAS_R, DOT_PREC=prec, UPCAST=_upcast(q.dtype),
+        BT=BT, BK=BK, BV=BV, HAS_G=HAS_G, HAS_R=HAS_R, DOT_PREC=prec, UPCAST=upcast_bf16(q.dtype),
         num_warps=nw, num_stages=tl_.num_stages,
     )
     chunk_bwd_dqk_kernel[(N, NKn, B * H)](
         q, k, v, do, hs, dhs, g, resets, dq, dk, dA, T, H, K, V, N,
-        BT=BT, BK=BKn, BV=BV, HAS_G=HAS_G, HAS_R=HAS_R, DOT_PREC=prec, UPCAST=_upcast(q.dtype),
+        BT=BT, BK=BKn, BV=BV, HAS_G=HAS_G, HAS_R=HAS_R, DOT_PREC=prec, UPCAST=upcast_bf16(q.dtype),
         num_warps=nw, num_stages=tl_.narrow_stages,
     )
     dg = None

@@ -36,16 +36,16 @@ import torch
 import triton
 
 from .chunk import (
-    _block,
-    _dot_precision,
-    _upcast,
     chunk_bwd,
     chunk_fwd,
     chunk_states,
     chunk_tile,
+    dot_precision,
     prepare,
     state_passing,
+    tile_width,
     tiling,
+    upcast_bf16,
 )
 from .hla2_fused_kernels import fused_hla2_fwd_kernel, hla2_fwd_o_kernel, hla2_state_kernel
 
@@ -75,11 +75,11 @@ def fused_hla2_fwd(
     o = torch.empty(B, T, H, V, dtype=torch.float32, device=q.device)  # cast by the caller
     flags = dict(
         HAS_G=g is not None, HAS_R=resets is not None,
-        DOT_PREC=_dot_precision(q.dtype), UPCAST=_upcast(q.dtype),
+        DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_bf16(q.dtype),
     )
     tl_ = tiling(q.dtype)
     if mode == "chunked":
-        BK, BV = _block(K, tl_.block), _block(V, tl_.block)
+        BK, BV = tile_width(K, tl_.block), tile_width(V, tl_.block)
         NK, NV = triton.cdiv(K, BK), triton.cdiv(V, BV)
         Ss, S_T = chunk_states(k, k, g, resets, S0, BT)  # stage-1 states entering each chunk
         hs = torch.empty(B, H, N, K, V, dtype=torch.float32, device=q.device)
@@ -91,7 +91,7 @@ def fused_hla2_fwd(
         state_passing(hs, g, resets, H0, H_T, T, BT, reverse=False)
         hla2_fwd_o_kernel[(N, NV, B * H)](
             q, k, v, Ss, hs, g, resets, o, float(ridge), T, H, K, V, N,
-            BT=BT, BK=_block(K, tl_.narrow), BV=BV, **flags, num_warps=tl_.num_warps,
+            BT=BT, BK=tile_width(K, tl_.narrow), BV=BV, **flags, num_warps=tl_.num_warps,
             num_stages=tl_.num_stages,
         )
         assert S_T is not None
@@ -108,7 +108,7 @@ def fused_hla2_fwd(
             "(246 KB IEEE, 295 KB TF32; sm_90 allows 227 KB, sm_80 163 KB). Use "
             'mode="chunked", or bf16/fp16 inputs.'
         )
-    BV = _block(V, tl_.block)
+    BV = tile_width(V, tl_.block)
     S_T = torch.empty(B, H, K, K, dtype=torch.float32, device=q.device)
     H_T = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device)
     fused_hla2_fwd_kernel[(triton.cdiv(V, BV), B * H)](

@@ -13,7 +13,7 @@ import torch
 from op_table import OPS_BY_NAME, make_inputs, rel_err
 
 import hla_sp
-import hla_sp.ops.chunk as chunk
+import hla_sp.ops.chunk.layout as layout
 
 
 def _saved_bytes(fn) -> tuple[int, torch.Tensor]:
@@ -54,8 +54,8 @@ def test_autograd_keeps_only_inputs(name):
 def test_block_size_only_changes_rounding(monkeypatch, name, block):
     """Several blocks (one chunk each, two, a partial last block), resets, h0 and
     final states: fp64 equal to the serial recurrence to 1e-10, gradients too."""
-    monkeypatch.setattr(chunk, "BLOCK_TOKENS", block)
-    monkeypatch.setattr(chunk, "BLOCK_WIDTH", 1)  # blocks of exactly ``block`` tokens
+    monkeypatch.setattr(layout, "BLOCK_TOKENS", block)
+    monkeypatch.setattr(layout, "BLOCK_WIDTH", 1)  # blocks of exactly ``block`` tokens
     op = OPS_BY_NAME[name]
     q, k, v, g = make_inputs(2, 75, 2, 8, 5, decay="token")
     init = [torch.randn(s, dtype=torch.float64) * 0.3 for s in op.state_shapes(2, 2, 8, 5)]
@@ -79,8 +79,8 @@ def test_block_size_only_changes_rounding(monkeypatch, name, block):
 @pytest.mark.parametrize("block", [16, 32])
 def test_block_size_with_documents(monkeypatch, block):
     """Packed documents whose starts fall inside and at the edges of blocks."""
-    monkeypatch.setattr(chunk, "BLOCK_TOKENS", block)
-    monkeypatch.setattr(chunk, "BLOCK_WIDTH", 1)  # blocks of exactly ``block`` tokens
+    monkeypatch.setattr(layout, "BLOCK_TOKENS", block)
+    monkeypatch.setattr(layout, "BLOCK_WIDTH", 1)  # blocks of exactly ``block`` tokens
     op = OPS_BY_NAME["hla2"]
     q, k, v, g = make_inputs(1, 75, 2, 8, 5, decay="token")
     cu = torch.tensor([0, 16, 23, 50, 75])

@@ -15,9 +15,11 @@ import pytest
 import torch
 from op_table import rel_err
 
-import hla_sp.ops.chunk as chunk
-from hla_sp.ops.chunk import chunk_linear_attention
+import hla_sp.ops.chunk.layout as layout
 from hla_sp.ops.chunk_split import SplitChunks
+from hla_sp.ops.custom_op import make_chunk_impl
+
+chunk_linear_attention = make_chunk_impl("torch")  # the operator the library calls
 
 CASES = [
     # B, L, H, K, V, C, decay, document starts, carry-in
@@ -33,8 +35,8 @@ CASES = [
 @pytest.mark.parametrize("outputs, summary", [(True, True), (True, False), (False, True)])
 @pytest.mark.parametrize("case", CASES)
 def test_split_equals_chunk_path(monkeypatch, case, outputs: bool, summary: bool) -> None:
-    monkeypatch.setattr(chunk, "BLOCK_TOKENS", 32)
-    monkeypatch.setattr(chunk, "BLOCK_WIDTH", 1)
+    monkeypatch.setattr(layout, "BLOCK_TOKENS", 32)
+    monkeypatch.setattr(layout, "BLOCK_WIDTH", 1)
     B, L, H, K, V, C, decay, starts, init = case
     gen = torch.Generator().manual_seed(L)
     dt = torch.float64

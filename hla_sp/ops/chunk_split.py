@@ -13,8 +13,8 @@ forward
      h_in^0 per chunk and the shard's summary          -> the exchange starts
   2. :meth:`SplitChunks.intra`: the in-chunk outputs (Q K^T ⊙ D) V
                                                         -> the exchange ends
-  3. :meth:`SplitChunks.outputs`: + (Q ⊙ wc) h_in with h_in = h_in^0 + cp h_init,
-     cp_n the product of the pass factors of the chunks before n
+  3. :meth:`SplitChunks.outputs`: + (Q ⊙ wc) h_in with h_in = h_in^0 + before_n h_init,
+     before_n the product of the pass factors of the chunks before n
 
 backward
   1. :meth:`SplitChunks.carry_grad`: dH_in of every chunk from dO alone; that of
@@ -22,12 +22,12 @@ backward
   2. :meth:`SplitChunks.local`: every gradient term that needs only dO: dQ whole,
      the in-chunk parts of dK, dV and dg                -> the reverse exchange ends
   3. :meth:`SplitChunks.finish`: with dS, the summary's gradient, the states' gradient
-     is dH_out = dH_out^loc + cpr dS (cpr_n the product of the pass factors after n),
+     is dH_out = dH_out^loc + after_n dS (after_n the product of the pass factors after n),
      and the terms through it complete dK, dV and dg.
 
 The decay's gradient through the pass factors is p <h_in, dH_out> for the outputs
-(h_in with h_init) and p <h_in^0, cpr dS> for the summary (zero state); it is
-computed as p <h_in^0, dH_out> + p cp <h_init, dH_out^loc>, with no subtraction.
+(h_in with h_init) and p <h_in^0, after dS> for the summary (zero state); it is
+computed as p <h_in^0, dH_out> + p before <h_init, dH_out^loc>, with no subtraction.
 
 Memory: between the steps a shard keeps its per-chunk states ([B, H, N, K, V], N = L / C),
 the chunked inputs the next step reads (each input is cut into chunks once per
@@ -43,19 +43,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hla_sp.ops.chunk import (
-    _addmm,
-    _blocks,
-    _Chunks,
-    _heads_first,
-    _incoming_states,
-    _local_grads,
-    _prepare,
-    _reverse_states,
-    _state_grads,
-    _to_tokens,
-    _tokens_of_chunk_values,
-    _weighted,
+from hla_sp.ops.chunk.algebra import (
+    addmm,
+    incoming_states,
+    local_grads,
+    reverse_states,
+    state_grads,
+)
+from hla_sp.ops.chunk.layout import (
+    Chunks,
+    block_ranges,
+    chunk_values_to_tokens,
+    cut_tokens,
+    prepare,
+    to_tokens,
+    weighted,
 )
 from hla_sp.ops.isolation import (
     bad_rows,
@@ -97,20 +99,19 @@ class SplitChunks:
         B, L, H, K = q.shape
         self.B, self.L, self.H, self.K, self.V = B, L, H, K, v.shape[-1]
         self.cdt = compute_dtype(q.dtype)
-        self.blocks = _blocks(L, chunk_size, B * H * (K + self.V))
+        self.blocks = block_ranges(L, chunk_size, B * H * (K + self.V))
         # Kept from one step to the next, per block, and dropped when no longer needed.
         self.h_in0: list | None = None  # [B, H, Nb, K, V] zero-state incoming states
         self.p: list | None = None  # [B, H, Nb] pass factors
         self.o: list | None = None  # [B, H, Nb, C, V] outputs being built
-        self.do: Tensor | None = None  # [B, L, H, V] the outputs' cotangent
         self.dh_in: list | None = None  # [B, H, Nb, K, V] dH_in from dO alone
         self.dlp_init: list | None = None  # [B, H, Nb] see local()
         self.grads: list | None = None  # dq, and per block dk, dv, dg being built
         # Each block's chunks, kept from one step to the next, so that every input is
         # cut into chunks once per pass direction (as the one-call path does); each step
         # drops what the next does not use.
-        self.cut: list[_Chunks] | None = None
-        self.docs: list[Tensor] | None = None  # [B, H, Nb, C, V] dO cut into chunks
+        self.cut: list[Chunks] | None = None
+        self.do_chunks: list[Tensor] | None = None  # [B, H, Nb, C, V] dO cut into chunks
         # Isolation (hla_sp.ops.isolation): the chunks are clean copies, and the poison
         # of non-finite inputs goes back by these [B, L, H] flags.
         self.bad = bad_tokens(k, v, g)  # reaches the later outputs of its segment
@@ -119,13 +120,13 @@ class SplitChunks:
         self.seg_cut = cuts(resets, g, k)
         self.init_bad: Tensor | None = None  # [B, H]: a non-finite carried-in state
 
-    def _chunks(self, t0: int, t1: int, intra: bool, need: str = "qkv") -> _Chunks:
+    def _chunks(self, t0: int, t1: int, intra: bool, need: str = "qkv") -> Chunks:
         """The block [t0, t1) cut into chunks, with heads-first copies of ``need`` only."""
         g = None if self.g is None else self.g[:, t0:t1]
         r = None if self.resets is None else self.resets[:, t0:t1]
         q, k, v = (x[:, t0:t1] if name in need else None
                    for name, x in zip("qkv", (self.q, self.k, self.v)))
-        return _prepare(q, k, v, g, r, self.C, intra=intra)
+        return prepare(q, k, v, g, r, self.C, intra=intra)
 
     def _states(self) -> Tensor:
         """The zero-state scan: per block h_in^0 [B, H, Nb, K, V] and p [B, H, Nb] (kept,
@@ -134,18 +135,18 @@ class SplitChunks:
         h = self.q.new_zeros(self.B, self.H, self.K, self.V)
         for t0, t1 in self.blocks:
             ch = self._chunks(t0, t1, intra=False, need="kv")
-            h_in0, h = _incoming_states(ch, h)
+            h_in0, h = incoming_states(ch, h)
             self.h_in0.append(h_in0)
             self.p.append(ch.p)
             self.cut.append(ch)
         return h
 
-    def _with_init(self, i: int, cp: Tensor, h_init: Tensor | None) -> Tensor:
-        """Block i's incoming states with h_init carried in: h_in^0 + cp h_init, cp
+    def _with_init(self, i: int, before: Tensor, h_init: Tensor | None) -> Tensor:
+        """Block i's incoming states with h_init carried in: h_in^0 + before h_init, before
         [B, H, Nb] being the block's products of the earlier pass factors."""
         if h_init is None:
             return self.h_in0[i]
-        return torch.addcmul(self.h_in0[i], cp[..., None, None],
+        return torch.addcmul(self.h_in0[i], before[..., None, None],
                              h_init.to(self.cdt)[:, :, None])
 
     # forward -----------------------------------------------------------------------
@@ -180,39 +181,31 @@ class SplitChunks:
         if self.o is None:
             self.intra()
         h_init = self._clean_init(h_init)
-        cp = _products(self.p)
+        before = _products(self.p)
         o = self.q.new_empty(self.B, self.L, self.H, self.V)
         for i, (t0, t1) in enumerate(self.blocks):
             ch = self.cut[i]
-            ob = _addmm(self.o[i], _weighted(ch.qc, ch.wc), self._with_init(i, cp[i], h_init))
+            ob = addmm(self.o[i], weighted(ch.qc, ch.wc), self._with_init(i, before[i], h_init))
             self.o[i] = self.cut[i] = None
-            o[:, t0:t1] = _to_tokens(ob, t1 - t0)
+            o[:, t0:t1] = to_tokens(ob, t1 - t0)
         self.h_in0 = self.p = self.o = self.cut = None
         reach = poisoned_prefix(self.bad, self.seg_cut, self.init_bad) | self.bad_q
         return o.masked_fill_(reach[..., None], float("nan"))
 
     # backward ----------------------------------------------------------------------
 
-    def _doc(self, t0: int, t1: int, ch: _Chunks) -> Tensor:
-        d = self.do[:, t0:t1].to(self.cdt)
-        if ch.pad:
-            d = F.pad(d, (0, 0, 0, 0, 0, ch.pad))
-        return finite(_heads_first(d, self.B, ch.p.shape[2], self.C, self.H), self.do)
-
     def carry_grad(self, do: Tensor) -> Tensor:
         """Backward step 1: d h_init [B, H, K, V] from the outputs' cotangent do."""
-        self.do = do
         self.bad_do = bad_rows(do)
         n = len(self.blocks)
-        self.dh_in, self.cut, self.docs = [None] * n, [None] * n, [None] * n
+        self.dh_in, self.cut, self.do_chunks = [None] * n, [None] * n, [None] * n
         dh = None
         for i in reversed(range(n)):
             t0, t1 = self.blocks[i]
             ch = self._chunks(t0, t1, intra=False, need="q")
-            self.cut[i], self.docs[i] = ch, self._doc(t0, t1, ch)
-            self.dh_in[i] = _reverse_states(ch, self.docs[i], dh)
+            self.cut[i], self.do_chunks[i] = ch, cut_tokens(do[:, t0:t1], self.C, self.cdt)
+            self.dh_in[i] = reverse_states(ch, self.do_chunks[i], dh)
             dh = self.dh_in[i][:, :, 0]
-        self.do = None
         return dh.clone()
 
     def local(self, h_init: Tensor | None) -> None:
@@ -228,26 +221,26 @@ class SplitChunks:
         for i, (t0, t1) in enumerate(self.blocks):
             ch = self._chunks(t0, t1, intra=True, need="kv")
             ch.qc = self.cut[i].qc
-            doc = self.docs[i]
-            self.docs[i] = None
+            do_chunks = self.do_chunks[i]
+            self.do_chunks[i] = None
             # the zero-state scan, block by block in order, and h_init on top
-            h_in0, h = _incoming_states(ch, h)
+            h_in0, h = incoming_states(ch, h)
             self.h_in0.append(h_in0)
             self.p.append(ch.p)
-            cp, run = _block_products(run, ch.p)
-            h_in = self._with_init(i, cp, h_init)
-            bq, bk, bv, bg = _local_grads(ch, h_in, doc, want_dg)
+            before, run = _block_products(run, ch.p)
+            h_in = self._with_init(i, before, h_init)
+            bq, bk, bv, bg = local_grads(ch, h_in, do_chunks, want_dg)
             ch.qc = ch.D = None
             self.cut[i] = ch  # K, V for the state terms
-            dq[:, t0:t1] = _to_tokens(bq, t1 - t0)
+            dq[:, t0:t1] = to_tokens(bq, t1 - t0)
             partial.append((bk, bv, bg))  # completed in place by finish()
             if want_dg and h_init is not None:
-                # p cp <h_init, dH_out^loc>: the outputs' share of the pass factors'
+                # p before <h_init, dH_out^loc>: the outputs' share of the pass factors'
                 # gradient that h_in^0 (the zero-state scan) does not carry
-                self.dlp_init.append(ch.p * cp * torch.einsum(
+                self.dlp_init.append(ch.p * before * torch.einsum(
                     "bhkv,bhnkv->bhn", h_init.to(self.cdt), self._dh_out_local(i)))
         self.grads = [dq, partial]
-        self.docs = None
+        self.do_chunks = None
 
     def _dh_out_local(self, i: int) -> Tensor:
         """Block i's dH_out^loc [B, H, Nb, K, V], the gradient of the state leaving each of
@@ -278,13 +271,13 @@ class SplitChunks:
         dk = self.q.new_empty(B, L, H, self.K)
         dv = self.q.new_empty(B, L, H, self.V)
         dg = self.q.new_empty(B, L, H) if want_dg else None
-        cpr = _products(self.p, reverse=True)
+        after = _products(self.p, reverse=True)
         for i, (t0, t1) in enumerate(self.blocks):
             ch = self.cut[i]
             self.cut[i] = None
             dh_out = self._dh_out_local(i)
             if dS is not None:
-                dh_out.addcmul_(cpr[i][..., None, None], dS.to(self.cdt)[:, :, None])
+                dh_out.addcmul_(after[i][..., None, None], dS.to(self.cdt)[:, :, None])
             if partial is None:
                 bk, bv = torch.zeros_like(ch.kc), torch.zeros_like(ch.vc)
                 bg = torch.zeros_like(ch.wc) if want_dg else None
@@ -293,11 +286,11 @@ class SplitChunks:
                 partial[i] = None
             if bg is not None and self.dlp_init:
                 bg += self.dlp_init[i][..., None]
-            _state_grads(ch, self.h_in0[i], dh_out, bk, bv, bg)
-            dk[:, t0:t1] = _to_tokens(bk, t1 - t0)
-            dv[:, t0:t1] = _to_tokens(bv, t1 - t0)
+            state_grads(ch, self.h_in0[i], dh_out, bk, bv, bg)
+            dk[:, t0:t1] = to_tokens(bk, t1 - t0)
+            dv[:, t0:t1] = to_tokens(bv, t1 - t0)
             if dg is not None:
-                dg[:, t0:t1] = _tokens_of_chunk_values(bg, t1 - t0)
+                dg[:, t0:t1] = chunk_values_to_tokens(bg, t1 - t0)
         self.h_in0 = self.p = self.dh_in = self.grads = self.dlp_init = self.cut = None
         bad = self.bad | self.bad_q
         if self.bad_do is not None:

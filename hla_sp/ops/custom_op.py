@@ -13,8 +13,8 @@ so a training step holds no per-chunk activations.
 Two operators, both taking the backend name chosen by :mod:`hla_sp.ops.dispatch`:
 
     hla_sp::chunk_linear_attention(q, k, v, g?, resets?, h0?, chunk_size, backend)
-        -> (o [B, T, H, V], h_last [B, H, K, V]), both in the compute dtype, as
-        :func:`hla_sp.ops.chunk.chunk_linear_attention` returns them
+        -> (o [B, T, H, V], h_last [B, H, K, V]), both in the compute dtype (fp32,
+        or fp64 for fp64 inputs on the torch backend)
     hla_sp::chunk_linear_attention_bwd(q, k, v, g?, resets?, h0?, do, dht?, chunk_size,
         backend) -> (dq, dk, dv, dg, dh0)
 
@@ -146,8 +146,13 @@ chunk_linear_attention_op.register_autograd(_backward, setup_context=_setup_cont
 
 
 def make_chunk_impl(backend: str) -> Callable[..., tuple[Tensor, Tensor]]:
-    """A callable with the signature of :func:`hla_sp.ops.chunk.chunk_linear_attention`
-    that runs ``backend`` through the custom operator."""
+    """A differentiable chunk scan that runs ``backend`` through the custom operator.
+
+    The callable takes ``(q, k, v, g, *, resets=None, h0=None, chunk_size=64)``:
+    q [B, T, H, K] (already scaled), k [B, T, H, K], v [B, T, H, V], g [B, T, H]
+    log-decay (<= 0, -inf a hard reset) or None, resets [B, T] bool (True where a
+    document starts; position 0 False) or None, h0 [B, H, K, V] or None; it returns
+    o [B, T, H, V] and the last state [B, H, K, V] in the compute dtype."""
 
     def impl(
         q: Tensor,
@@ -176,7 +181,7 @@ def chunk_linear_attention_triton(
 ) -> tuple[Tensor, Tensor]:
     """Decayed causal linear attention on the Triton kernels, through the operator.
 
-    Same signature and semantics as :func:`hla_sp.ops.chunk.chunk_linear_attention`.
+    Same signature and semantics as the callables of :func:`make_chunk_impl`.
 
     Args:
         q: [B, T, H, K], already scaled; k: [B, T, H, K]; v: [B, T, H, V]

@@ -45,13 +45,20 @@ def finite_decay(g: Tensor) -> Tensor:
 
 
 def bad_rows(x: Tensor) -> Tensor:
-    """[..., D] -> [...] bool: the rows holding a NaN or an infinity."""
-    return ~torch.isfinite(x).all(-1)
+    """[..., D] -> [...] bool: the rows holding a NaN or an infinity.
+
+    From each row's max and min: both propagate a NaN, and an infinity is one of the
+    two. Two reductions that read x once each and write nothing of its size, where
+    ``isfinite(x).all(-1)`` writes four x-sized temporaries (measured 5.5x slower on
+    [1, 16k, 4, 64] fp32, 1 thread; these flags were a quarter of hla2's time)."""
+    if x.shape[-1] == 0:
+        return torch.zeros(x.shape[:-1], dtype=torch.bool, device=x.device)
+    return ~(torch.isfinite(x.amax(-1)) & torch.isfinite(x.amin(-1)))
 
 
 def bad_state(h: Tensor | None) -> Tensor | None:
     """[B, H, K, V] -> [B, H] bool: the states holding a NaN or an infinity (None: None)."""
-    return None if h is None else ~torch.isfinite(h).all(-1).all(-1)
+    return None if h is None else bad_rows(h).any(-1)
 
 
 def bad_tokens(k: Tensor, v: Tensor, g: Tensor | None) -> Tensor:

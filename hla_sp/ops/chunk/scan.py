@@ -1,0 +1,134 @@
+"""The blocked forward and backward of the chunk path (no autograd: the custom operator
+of :mod:`hla_sp.ops.custom_op` owns it).
+
+Both run over blocks of whole chunks (:func:`hla_sp.ops.chunk.layout.block_ranges`), so
+every temporary is the size of one block; the forward keeps nothing, the backward
+recomputes the states from the inputs (see the package note, :mod:`hla_sp.ops.chunk`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hla_sp.ops.chunk.algebra import addmm, block_backward, incoming_states
+from hla_sp.ops.chunk.layout import (
+    Chunks,
+    block_ranges,
+    chunk_values_to_tokens,
+    cut_tokens,
+    prepare,
+    to_tokens,
+    weighted,
+)
+from hla_sp.ops.isolation import finite
+from hla_sp.ops.precision import compute_dtype
+
+Tensor = torch.Tensor
+
+
+def _part(x: Tensor | None, t0: int, t1: int) -> Tensor | None:
+    return None if x is None else x[:, t0:t1]
+
+
+def chunk_forward(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, resets: Tensor | None,
+    h0: Tensor | None, chunk_size: int,
+) -> tuple[Tensor, Tensor]:
+    """Decayed causal linear attention, forward, without autograd, block by block.
+
+    Args:
+        q: [B, T, H, K], already multiplied by the scale; k: [B, T, H, K];
+            v: [B, T, H, V].
+        g: [B, T, H] log-decay (<= 0; -inf is a hard reset), or None for no decay.
+        resets: [B, T] bool, True where a new segment starts (its carry is cut);
+            position 0 must be False: the carry into position 0 is ``h0``.
+        h0: [B, H, K, V] carry into position 0, or None for zero.
+        chunk_size: C, the chunk length.
+
+    Returns o [B, T, H, V] (contiguous) and h_last [B, H, K, V], in the compute dtype,
+    computed on clean operands: the caller puts the poison of non-finite inputs back
+    (:func:`hla_sp.ops.isolation.poison_outputs`).
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    cdt = compute_dtype(q.dtype)
+    # clean, and never an alias of h0 (the caller puts a non-finite h0's poison back)
+    h = torch.zeros(B, H, K, V, dtype=cdt, device=q.device) if h0 is None else finite(h0.to(cdt))
+    if T == 0:  # an empty shard: no outputs, and the carry passes through unchanged
+        return q.new_zeros(B, 0, H, V, dtype=cdt), h
+    o = q.new_empty(B, T, H, V, dtype=cdt)
+    with torch.no_grad():
+        for t0, t1 in block_ranges(T, chunk_size, B * H * (K + V)):
+            ch = prepare(q[:, t0:t1], k[:, t0:t1], v[:, t0:t1], _part(g, t0, t1),
+                         _part(resets, t0, t1), chunk_size, clean_q=False)
+            h_in, h = incoming_states(ch, h)
+            attn = (ch.qc @ ch.kc.transpose(-1, -2)).mul_(ch.D)  # [B, H, N, C, C]
+            ob = addmm(attn @ ch.vc, weighted(ch.qc, ch.wc), h_in)
+            del attn
+            o[:, t0:t1] = to_tokens(ob, t1 - t0)
+    return o, h.contiguous()
+
+
+def chunk_backward(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, resets: Tensor | None,
+    h0: Tensor | None, do: Tensor, dht: Tensor | None, chunk_size: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+    """Gradients of :func:`chunk_forward` from its inputs alone (everything recomputed).
+
+    With the cotangents do [B, T, H, V] and dht [B, H, K, V] (or None), per chunk, with
+    A = (Q K^T) ⊙ D, dA = dO V^T and dH the gradient of the state after the chunk:
+
+        dH_in = p dH + (Q ⊙ wc)^T dO      (a reverse scan over the chunks)
+        dQ = (dA ⊙ D) K + (dO H_in^T) ⊙ wc
+        dK = (dA ⊙ D)^T Q + (V dH^T) ⊙ ws
+        dV = A^T dO + (K ⊙ ws) dH
+
+    and the decay's gradient through the log-weights: dA ⊙ A on each (t, j) segment
+    sum (g_i for j < i <= t), the carry's row sums on b_t (g_i for i <= t), the
+    summary's on b_C - b_j (g_i for i > j), p <H_in, dH> on b_C (all g_i in the chunk).
+
+    Two passes over blocks of chunks: forward, keeping only the state entering each
+    block ([n_blocks, B, H, K, V]); then backward, recomputing each block's chunk
+    states and intra-chunk terms. Returns dq, dk, dv, dg (None without g), dh0 (None
+    without h0), [B, T, ...] in the compute dtype.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    cdt = compute_dtype(q.dtype)
+    C = chunk_size
+    dh = torch.zeros(B, H, K, V, dtype=cdt, device=q.device) if dht is None else finite(dht.to(cdt))
+    if T == 0:
+        zq, zv = q.new_zeros(B, 0, H, K, dtype=cdt), q.new_zeros(B, 0, H, V, dtype=cdt)
+        dg = None if g is None else q.new_zeros(B, 0, H, dtype=cdt)
+        return zq, zq.clone(), zv, dg, (None if h0 is None else dh)
+    blocks = block_ranges(T, C, B * H * (K + V))
+
+    def block(t0: int, t1: int, states_only: bool = False) -> Chunks:
+        # the first pass needs only the states: no q, no in-chunk decays
+        return prepare(None if states_only else q[:, t0:t1], k[:, t0:t1], v[:, t0:t1],
+                       _part(g, t0, t1), _part(resets, t0, t1), C, intra=not states_only)
+
+    with torch.no_grad():
+        h = (torch.zeros(B, H, K, V, dtype=cdt, device=q.device) if h0 is None
+             else finite(h0.to(cdt)))
+        entries = []
+        for t0, t1 in blocks[:-1]:
+            entries.append(h)
+            h = incoming_states(block(t0, t1, states_only=True), h)[1].contiguous()
+        entries.append(h)
+        dq = q.new_empty(B, T, H, K, dtype=cdt)
+        dk = q.new_empty(B, T, H, K, dtype=cdt)
+        dv = q.new_empty(B, T, H, V, dtype=cdt)
+        dg = None if g is None else q.new_empty(B, T, H, dtype=cdt)
+        for (t0, t1), h_entry in zip(reversed(blocks), reversed(entries)):
+            ch = block(t0, t1)
+            do_chunks = cut_tokens(do[:, t0:t1], C, cdt)  # [B, H, N, C, V], clean
+            bq, bk, bv, bg, dh = block_backward(ch, h_entry, do_chunks, dh, g is not None)
+            dq[:, t0:t1] = to_tokens(bq, t1 - t0)
+            dk[:, t0:t1] = to_tokens(bk, t1 - t0)
+            dv[:, t0:t1] = to_tokens(bv, t1 - t0)
+            if dg is not None and bg is not None:
+                dg[:, t0:t1] = chunk_values_to_tokens(bg, t1 - t0)
+        return dq, dk, dv, dg, (None if h0 is None else dh.contiguous())
+
+
