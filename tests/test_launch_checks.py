@@ -176,7 +176,7 @@ def test_garbage_latest_names_the_file(tmp_path: Path) -> None:
 
 def test_empty_checkpoint_file_names_the_file(tmp_path: Path, group: None) -> None:
     d = _save(tmp_path / "c", 3)
-    pt = Path(d) / "model_optim_tp00.pt"
+    pt = Path(d) / checkpoint.COMMON
     pt.write_bytes(b"")
     with pytest.raises(checkpoint.CheckpointError) as e:
         _load(tmp_path / "c")
@@ -220,7 +220,7 @@ def test_full_disk_names_enospc_and_the_file(
         _save(tmp_path / "c", 1)
     monkeypatch.setattr(torch, "save", real)
     assert e.value.errno == errno.ENOSPC
-    assert e.value.filename == str(tmp_path / "c" / "iter_0000001.tmp" / "model_optim_tp00.pt")
+    assert e.value.filename == str(tmp_path / "c" / "iter_0000001.tmp" / checkpoint.COMMON)
     assert "disk full (ENOSPC)" in str(e.value)
 
 

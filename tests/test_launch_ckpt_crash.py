@@ -121,7 +121,7 @@ def test_latest_falls_back_to_the_newest_complete_checkpoint(
     tmp_path: Path, group: None, capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(checkpoint, "_warned", set())
+    monkeypatch.setattr(checkpoint.layout, "_warned", set())
     root = tmp_path / "c"
     for it in (1, 2, 3):
         _save(root, it, fill=float(it))
@@ -135,7 +135,7 @@ def test_latest_falls_back_to_the_newest_complete_checkpoint(
     pos, model = _load(root)
     assert pos["iteration"] == 2 and float(model.weight[0, 0]) == 2.0
     # an incomplete directory (emptied by hand) is no checkpoint either
-    (root / "iter_0000002" / "model_optim_tp00.pt").unlink()
+    (root / "iter_0000002" / checkpoint.SHARDED / ".metadata").unlink()
     assert checkpoint.latest_iteration(str(root)) == 1
     # garbage in latest, and no latest at all, fall back the same way
     (root / checkpoint.LATEST).write_bytes(b"\x00junk")

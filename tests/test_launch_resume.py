@@ -72,13 +72,16 @@ def test_jsonl_marks_each_run_and_carries_validation(resumed: dict) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bf16_checkpoint_keeps_fp32_master_weights(resumed: dict) -> None:
-    state = torch.load(checkpoint.iter_dir(str(resumed["ck"]), 8) + "/model_optim_tp00.pt",
-                       weights_only=True)
-    halves = [v for v in state["model"].values()
-              if isinstance(v, torch.Tensor) and v.is_floating_point()]
+def test_bf16_checkpoint_keeps_fp32_master_weights(resumed: dict, tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(checkpoint.iter_dir(str(resumed["ck"]), 8) + "/" + checkpoint.SHARDED,
+                      str(tmp_path / "whole.pt"))  # fmt: skip
+    state = torch.load(tmp_path / "whole.pt", weights_only=True)
+    halves = [v for k, v in state.items() if not k.startswith("optimizer.")]
+    masters = [v for k, v in state.items() if k.startswith("optimizer.state.fp32_param.")]
     assert halves and all(v.dtype == torch.bfloat16 for v in halves)
-    assert state["main_params"] and all(m.dtype == torch.float32 for m in state["main_params"])
+    assert masters and all(m.dtype == torch.float32 for m in masters)
 
 
 def test_other_model_refused_before_any_process_group(

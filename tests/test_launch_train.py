@@ -73,11 +73,13 @@ def test_checkpoints_are_complete_and_weights_only(runs: dict) -> None:
     assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["iter_0000003", "iter_0000006"]
     assert not list(ckpt.glob("*.tmp*")) and not list(ckpt.glob("*/*.tmp*"))
     names = sorted(p.name for p in (ckpt / "iter_0000003").iterdir())
-    # config.json: what --load compares before any process group (no weights read)
-    assert names == ["config.json", "model_optim_tp00.pt", "rng_rank00000.pt",
+    # config.json: what --load compares before any process group (no weights read);
+    # model_optim: the tensors, a torch.distributed.checkpoint directory
+    assert names == ["common.pt", "config.json", "model_optim", "rng_rank00000.pt",
                      "rng_rank00001.pt"]
     assert json.loads((ckpt / "iter_0000003" / "config.json").read_text())["seq_length"] == 64
-    for name in names[1:]:
+    assert (ckpt / "iter_0000003" / "model_optim" / ".metadata").is_file()
+    for name in ("common.pt", "rng_rank00000.pt", "rng_rank00001.pt"):
         torch.load(ckpt / "iter_0000003" / name, weights_only=True)
 
 

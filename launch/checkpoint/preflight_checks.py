@@ -1,0 +1,215 @@
+"""Before training, without a process group: the ``--save`` directory and the resume's
+learning-rate schedule (Megatron's rule), each refused in one line with the numbers."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+from hla_sp.launch.checkpoint import legacy
+from hla_sp.launch.checkpoint.layout import (
+    COMMON,
+    LATEST,
+    LEGACY_MODEL,
+    CheckpointError,
+    checkpoint_dir,
+    complete_iterations,
+    iter_dir,
+    resume_iteration,
+)
+from hla_sp.launch.checkpoint.run_config import saved_config
+
+
+def _dir_bytes(path: str) -> int:
+    """Bytes of the files in a checkpoint directory and its DCP subdirectory (links
+    are not followed: a checkpoint holds none)."""
+    total = 0
+    with os.scandir(path) as it:
+        for e in it:
+            if e.is_dir(follow_symlinks=False):
+                total += _dir_bytes(e.path)
+            elif e.is_file(follow_symlinks=False):
+                total += e.stat(follow_symlinks=False).st_size
+    return total
+
+
+# DCP frames every stored tensor (a torch.save record in the data file, an entry in
+# .metadata): about 1.7 KiB each, measured with torch 2.13; it only matters for small
+# models. A layer holds 12 megatron tensors and about 6 of HLA's (decay, norm, mixes,
+# short convolutions).
+_ITEM_BYTES, _TENSORS_PER_LAYER = 1750, 18
+
+
+def estimate_checkpoint_bytes(cfg: Any) -> int:
+    """About how many bytes one checkpoint of ``cfg``'s model takes: the weights (in the
+    run's precision), fp32 master copies under --bf16/--fp16 and AdamW's two fp32
+    moments, from the parameter count of a megatron-core GPT with tied embeddings, and
+    DCP's framing of each tensor."""
+    from hla_sp.launch.data import BYTE_VOCAB
+    from hla_sp.launch.model import padded_vocab_size
+
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    kv = h * (cfg.num_query_groups or heads) // heads
+    ffn = cfg.ffn_hidden_size or 4 * h
+    vocab = padded_vocab_size(cfg.vocab_size or BYTE_VOCAB, cfg.make_vocab_size_divisible_by,
+                              cfg.tensor_model_parallel_size)
+    positions = 0
+    if cfg.position_embedding_type == "learned_absolute":
+        positions = cfg.max_position_embeddings or cfg.seq_length
+    layer = (h * (h + 2 * kv) + h + 2 * kv) + (h * h + h) + (2 * h * ffn + ffn + h) + 4 * h
+    params = (vocab + positions) * h + cfg.num_layers * layer + 2 * h
+    half = cfg.bf16 or cfg.fp16
+    copies = 4 if half else 3  # weights, (fp32 masters,) two moments: one DCP item each
+    items = copies * (cfg.num_layers * _TENSORS_PER_LAYER + 4)
+    return params * ((2 + 4) if half else 4) + params * 8 + items * _ITEM_BYTES
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _nearest_existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def check_save_dir(cfg: Any) -> None:
+    """``--save`` checked before any process group, so that a run cannot lose its
+    training at the first save: a directory (or creatable), writable, no symlinked
+    ``iter_*`` entry, no other run's checkpoints unless ``--load`` names the directory,
+    ``--keep-last`` >= 1, and free space for one checkpoint at the current size (the
+    newest one in --load or --save, else an estimate from the model). Raises
+    ``ConfigError`` with the number."""
+    from hla_sp.launch.checks import ConfigError
+
+    save, keep = cfg.save, getattr(cfg, "keep_last", None)
+    if keep is not None and (isinstance(keep, bool) or keep < 1):
+        raise ConfigError(f"--keep-last: expected an integer >= 1, got {keep!r}")
+    if save is None:
+        if keep is not None:
+            raise ConfigError(f"--keep-last {keep}: goes with --save DIR, got no --save")
+        return
+    if os.path.exists(save) and not os.path.isdir(save):
+        raise ConfigError(f"--save {save}: expected a directory, got a file")
+    probe_dir = _nearest_existing(save)
+    probe = os.path.join(probe_dir, f".hla_sp_write_probe.{os.getpid()}")
+    try:
+        with open(probe, "wb"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(
+            f"--save {save}: expected a writable directory, but {probe_dir} is not writable "
+            f"({e.strerror or e}); --save elsewhere") from None
+    if os.path.isdir(save):
+        for name in sorted(os.listdir(save)):
+            if name.startswith("iter_") and os.path.islink(os.path.join(save, name)):
+                raise ConfigError(
+                    f"--save {save}: {name} is a symbolic link (to "
+                    f"{os.readlink(os.path.join(save, name))}); a save renames directories "
+                    f"into place and would replace it: move the link away, or --save elsewhere")
+        theirs = complete_iterations(save)
+        mine = cfg.load is not None and os.path.isdir(cfg.load) and os.path.samefile(
+            cfg.load, save)
+        if (theirs or os.path.isfile(os.path.join(save, LATEST))) and not mine:
+            held = (f"iterations {theirs[0]}..{theirs[-1]}" if len(theirs) > 1
+                    else f"iteration {theirs[0]}" if theirs else f"a {LATEST}")
+            raise ConfigError(
+                f"--save {save}: holds another run's checkpoints ({held}); pass --load "
+                f"{save} to resume that run, or --save a new directory")
+    # the size of one checkpoint now: the newest on disk, else the model's estimate
+    sized = None
+    for root in (cfg.load, save):
+        done = complete_iterations(root) if root and os.path.isdir(root) else []
+        if done:
+            sized = (_dir_bytes(iter_dir(root, done[-1])), iter_dir(root, done[-1]))
+            break
+    need, what = sized if sized else (estimate_checkpoint_bytes(cfg), "estimated from the model")
+    free = shutil.disk_usage(probe_dir).free
+    if free < need:
+        raise ConfigError(
+            f"--save {save}: {_gib(free)} free on its filesystem, one checkpoint needs about "
+            f"{_gib(need)} ({need:,} bytes, {what}); free space, or --save elsewhere")
+
+
+# the schedule flags Megatron's OptimizerParamScheduler checks on load, as trainer flags
+_SCHEDULE = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_style", "weight_decay")
+
+
+def schedule_diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """``--flag SAVED (checkpoint) != NOW (this run)`` for each learning-rate schedule
+    value that differs, the decay length included (--lr-decay-iters, which defaults to
+    --train-iters); values the checkpoint does not record are not compared."""
+    out = []
+    for k in _SCHEDULE:
+        if k in saved and k in now and saved[k] != now[k]:
+            out.append(f"--{k.replace('_', '-')} {saved[k]} (checkpoint) != {now[k]} (this run)")
+    if "train_iters" in saved:
+        a = saved.get("lr_decay_iters") or saved["train_iters"]
+        b = now.get("lr_decay_iters") or now["train_iters"]
+        if a != b:
+            flag = ("--lr-decay-iters" if saved.get("lr_decay_iters") or now.get("lr_decay_iters")
+                    else "--train-iters")
+            out.append(f"{flag} {a} (checkpoint) != {b} (this run), the decay length")
+    return out
+
+
+def check_resume_schedule(cfg: Any) -> None:
+    """Megatron's rule on resume: a changed learning-rate schedule is refused with the
+    diff, unless --override-opt_param-scheduler (this run's flags win) or
+    --use-checkpoint-opt_param-scheduler (the checkpoint's schedule wins) says which."""
+    from hla_sp.launch.checks import ConfigError
+
+    override = getattr(cfg, "override_opt_param_scheduler", False)
+    use_ckpt = getattr(cfg, "use_checkpoint_opt_param_scheduler", False)
+    if override and use_ckpt:
+        raise ConfigError(
+            "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude "
+            "each other: pass the one that says whose schedule to trust")
+    try:
+        it = resume_iteration(cfg.load, cfg.ckpt_step)
+        saved = saved_config(cfg.load, it) if it is not None else None
+    except CheckpointError as e:
+        raise ConfigError(f"--load {cfg.load}: {e}") from None
+    if saved is None or override or use_ckpt:
+        return
+    diff = schedule_diff(saved, cfg.to_dict())
+    if diff:
+        raise ConfigError(
+            f"--load {cfg.load}: the checkpoint at iteration {it} has another learning-rate "
+            f"schedule: " + "; ".join(diff) + ". Pass --use-checkpoint-opt_param-scheduler to "
+            "keep the checkpoint's, or --override-opt_param-scheduler to apply this run's "
+            "(Megatron's flags)")
+
+
+def check_resume_layout(cfg: Any) -> None:
+    """A checkpoint of the first format (one file per TP rank) resumes only at the TP
+    size that wrote it: refused here, before any process group, saying how to convert
+    it. The current format loads at any TP, CP and DP size."""
+    from hla_sp.launch.checks import ConfigError
+
+    try:
+        it = resume_iteration(cfg.load, cfg.ckpt_step)
+    except CheckpointError:
+        return  # check_resume_schedule has said why
+    if it is None:
+        return
+    d = checkpoint_dir(cfg.load, it)
+    if os.path.isfile(os.path.join(d, COMMON)) or not os.path.isfile(
+            os.path.join(d, LEGACY_MODEL)):
+        return
+    why = legacy.tp_mismatch(d, cfg.tensor_model_parallel_size)
+    if why:
+        raise ConfigError(f"--load {cfg.load}: {why}")
+
+
+def preflight(cfg: Any) -> None:
+    """Everything about --save and --load that can fail later, checked before training
+    (no process group, nothing written): :func:`check_save_dir`,
+    :func:`check_resume_schedule` and :func:`check_resume_layout`."""
+    check_save_dir(cfg)
+    check_resume_schedule(cfg)
+    check_resume_layout(cfg)

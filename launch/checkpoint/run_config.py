@@ -1,0 +1,145 @@
+"""The run's flags in a checkpoint (``config.json``): read, and checked key by key.
+
+``--load`` compares them with the new run's flags before any process group exists, so
+a malformed file must fail in one line that names the key, never deep inside the trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from hla_sp.launch.checkpoint.layout import (
+    CONFIG,
+    LEGACY_MODEL,
+    CheckpointError,
+    checkpoint_dir,
+)
+
+# deeper than this, a config.json is not one the trainer wrote (its deepest value is a
+# list inside the hla table: depth 3); checked before json.loads, which would recurse
+_MAX_JSON_DEPTH = 32
+
+
+def _json_depth_error(text: str) -> str | None:
+    """The top-level key under which ``text`` nests deeper than :data:`_MAX_JSON_DEPTH`
+    (a scan outside strings, without recursion), or None."""
+    depth, in_str, esc, key, last_str = 0, False, False, None, ""
+    start = 0
+    for i, c in enumerate(text):
+        if in_str:
+            if esc:
+                esc = False
+            elif c == "\\":
+                esc = True
+            elif c == '"':
+                in_str = False
+                last_str = text[start:i]
+        elif c == '"':
+            in_str, start = True, i + 1
+        elif c == ":" and depth == 1:
+            key = last_str
+        elif c in "[{":
+            depth += 1
+            if depth > _MAX_JSON_DEPTH:
+                return f"key {key!r}" if key is not None else "the top level"
+        elif c in "]}":
+            depth -= 1
+    return None
+
+
+def _type_error(name: str, value: Any, hint: Any) -> str | None:
+    """Why ``value`` cannot be the value of config field ``name`` (annotation ``hint``),
+    or None if it can."""
+    import types
+    import typing
+
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        hint = next(a for a in args if a is not type(None))
+    origin = typing.get_origin(hint)
+    if origin is list:
+        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+        return None if ok else "a list of strings"
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            return "an object"
+        for k, v in value.items():
+            if isinstance(v, list):
+                if not all(isinstance(x, (str, int, float, bool)) or x is None for x in v):
+                    return f"an object of plain values (its {k!r} holds {v!r:.40})"
+            elif not (isinstance(v, (str, int, float, bool)) or v is None):
+                return f"an object of plain values (its {k!r} holds {v!r:.40})"
+        return None
+    if hint is bool:
+        return None if isinstance(value, bool) else "true or false"
+    if hint is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "an integer"
+    if hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return None if ok else "a number"
+    if hint is str:
+        return None if isinstance(value, str) else "a string"
+    return None
+
+
+def check_config_dict(cfg: Any, where: str) -> dict[str, Any]:
+    """A saved trainer config, every known key of the right type; keys this version does
+    not know (a newer trainer's) are kept. Raises :class:`CheckpointError` naming the
+    key, its value and what was expected."""
+    import dataclasses
+    import typing
+
+    from hla_sp.launch.config import TrainConfig
+
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{where}: expected a JSON object of flags, got {type(cfg).__name__}")
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in cfg:
+            want = _type_error(f.name, cfg[f.name], hints[f.name])
+            if want:
+                raise CheckpointError(
+                    f"{where}: key {f.name!r}: expected {want}, got {cfg[f.name]!r:.60}; the "
+                    f"file is corrupt or was not written by this trainer")
+    return cfg
+
+
+def saved_config(root: str, iteration: int) -> dict[str, Any] | None:
+    """The trainer config a checkpoint was written with: its ``config.json``, else (older
+    checkpoints) the ``config`` entry of the model file, memory-mapped; None if absent.
+    A malformed one raises :class:`CheckpointError` in one line naming the key."""
+    d = checkpoint_dir(root, iteration)
+    if not os.path.isdir(d):
+        raise CheckpointError(f"no complete checkpoint {d} (iteration {iteration})")
+    path = os.path.join(d, CONFIG)
+    if os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{path}: cannot read the run's config ({e})") from None
+        deep = _json_depth_error(text)
+        if deep:
+            raise CheckpointError(
+                f"{path}: {deep} nests more than {_MAX_JSON_DEPTH} levels deep; the file is "
+                f"corrupt or was not written by this trainer")
+        try:
+            out = json.loads(text)
+        except ValueError as e:
+            raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+        return check_config_dict(out, path)
+    model_file = os.path.join(d, LEGACY_MODEL)
+    if not os.path.isfile(model_file):
+        return None
+    try:
+        state = torch.load(model_file, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
+        return None  # the load itself reports a broken file, naming it
+    cfg = state.get("config") if isinstance(state, dict) else None
+    return check_config_dict(cfg, f"{model_file} (its config entry)") if cfg is not None else None
+

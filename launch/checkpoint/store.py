@@ -1,0 +1,191 @@
+"""Save and load one checkpoint: who writes which file, in which order.
+
+A save is collective. Rank 0 writes ``common.pt`` (iteration, data position, scheduler,
+the optimizer's hyperparameters and step, the loss scaler, the parallel layout) and
+``config.json``; every rank hands its main-replica pieces of the model, the optimizer
+moments and the fp32 master weights to DCP (:mod:`.sharded`) and writes its own RNG
+file. A load reads the pieces this run's layout holds, whatever layout wrote them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from hla_sp.launch.checkpoint import legacy, sharded
+from hla_sp.launch.checkpoint.layout import (
+    COMMON,
+    CONFIG,
+    LATEST,
+    LEGACY_MODEL,
+    OLD,
+    SHARDED,
+    CheckpointError,
+    atomic_torch_save,
+    atomic_write_bytes,
+    checkpoint_dir,
+    fsync_dir,
+    iter_dir,
+    latest_iteration,
+    prune,
+    read_torch_file,
+    remove_leftovers,
+)
+from hla_sp.launch.checkpoint.rng import restore_rng, rng_state
+
+FORMAT = 2  # 1: one torch.save file per TP rank (read by .legacy); 2: DCP
+_COMMON_KEYS = ("format", "iteration", "consumed_samples", "scheduler", "optimizer",
+                "masters", "layout", "extra")  # fmt: skip
+
+
+def layout(world_size: int) -> dict[str, int]:
+    """This run's parallel sizes, as ``common.pt`` records them."""
+    tp, cp = sharded.parallel_sizes()
+    return {"world_size": world_size, "tp": tp, "cp": cp, "dp": world_size // (tp * cp)}
+
+
+def save(
+    root: str,
+    iteration: int,
+    *,
+    rank: int,
+    world_size: int,
+    tp_rank: int,
+    writes_model: bool,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    consumed_samples: int,
+    config: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+    keep_last: int | None = None,
+) -> str:
+    """Write a checkpoint collectively (every rank calls it); return its directory.
+
+    ``extra`` holds the fp32 master weights (``main_params``, in the order of the
+    model's trainable parameters: written like the model, resharded on load) and small
+    values such as the loss scaler (into ``common.pt``). ``writes_model`` names the
+    ranks that write a plain module's tensors (one without megatron's
+    ``sharded_state_dict``, which says itself who writes what); ``tp_rank`` is kept for
+    the callers. The config is also written as ``config.json``, which ``--load``
+    compares with the new run's flags before any process group exists. With
+    ``keep_last`` N, older checkpoints beyond the newest N are deleted once this one
+    is the latest.
+    """
+    from hla_sp.launch import faults
+
+    del tp_rank  # the pieces carry their place: no per-TP-rank file any more
+    with faults.saving(iteration):
+        return _save(root, iteration, rank, world_size, writes_model, model, optimizer,
+                     scheduler, consumed_samples, config, dict(extra or {}), keep_last)
+
+
+def _save(
+    root: str, iteration: int, rank: int, world_size: int, writes_model: bool,
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+    consumed_samples: int, config: dict[str, Any], extra: dict[str, Any],
+    keep_last: int | None,
+) -> str:
+    from hla_sp.launch import faults
+
+    final = iter_dir(root, iteration)
+    tmp = final + ".tmp"
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        remove_leftovers(root)  # of crashed saves, at any iteration (this one included)
+        os.makedirs(tmp)
+    dist.barrier()
+    faults.maybe_inject(rank, iteration, phase="save")
+    masters = extra.pop("main_params", None)
+    described = sharded.describe_model(model, writes_model)
+    pieces, optim = sharded.optimizer_state(optimizer, described)
+    pieces = described.pieces + pieces
+    if masters is not None:
+        pieces += [pc.like(sharded.MASTER, m) for pc, m in zip(described.of_param, masters)]
+    if rank == 0:
+        atomic_torch_save(
+            {"format": FORMAT, "iteration": iteration, "consumed_samples": consumed_samples,
+             "scheduler": scheduler.state_dict(), "optimizer": optim,
+             "masters": masters is not None, "layout": layout(world_size), "extra": extra},
+            os.path.join(tmp, COMMON))  # fmt: skip
+        atomic_write_bytes(
+            os.path.join(tmp, CONFIG), json.dumps(config, indent=1, sort_keys=True).encode()
+        )
+    sharded.write(os.path.join(tmp, SHARDED), pieces)
+    atomic_torch_save(
+        {"rng": rng_state(), "world_size": world_size, "layout": layout(world_size)},
+        os.path.join(tmp, f"rng_rank{rank:05d}.pt"),
+    )
+    dist.barrier()  # every file is complete before the directory becomes visible
+    if rank == 0:
+        old = final + OLD
+        if os.path.isdir(final):
+            # re-saving an iteration: move the old copy aside, never delete it first, so
+            # that a crash between the two renames still leaves a complete copy
+            os.replace(final, old)
+        os.replace(tmp, final)
+        fsync_dir(root)
+        atomic_write_bytes(os.path.join(root, LATEST), f"{iteration}\n".encode())
+        fsync_dir(root)
+        shutil.rmtree(old, ignore_errors=True)
+        if keep_last is not None:
+            prune(root, iteration, keep_last)
+    dist.barrier()
+    return final
+
+
+def load(
+    root: str,
+    *,
+    rank: int,
+    world_size: int,
+    tp_rank: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    step: int | None = None,
+) -> dict[str, Any]:
+    """Restore the latest (or ``step``'s) checkpoint, at this run's TP, CP and DP sizes
+    whatever sizes wrote it (collective); return iteration, data position and ``extra``
+    (the fp32 masters as ``main_params`` when saved and this run is half precision)."""
+    it = latest_iteration(root) if step is None else step
+    if it is None:
+        raise FileNotFoundError(
+            f"--load {root}: no {LATEST}; it holds no complete checkpoint (was --save used?)"
+        )
+    d = checkpoint_dir(root, it)
+    if not os.path.isdir(d):
+        raise FileNotFoundError(f"--load {root}: no complete checkpoint {d}")
+    if not os.path.isfile(os.path.join(d, COMMON)) and os.path.isfile(
+            os.path.join(d, LEGACY_MODEL)):
+        return legacy.load(d, rank=rank, world_size=world_size, tp_rank=tp_rank,
+                           tp=layout(world_size)["tp"], model=model, optimizer=optimizer,
+                           scheduler=scheduler)  # fmt: skip
+    path = os.path.join(d, COMMON)
+    common = read_torch_file(path, "iteration, data position, scheduler and optimizer settings")
+    missing = [k for k in _COMMON_KEYS if k not in common]
+    if missing:
+        raise CheckpointError(f"{path}: missing entries {missing}")
+    where = os.path.join(d, SHARDED)
+    described = sharded.describe_model(model, writes=False)
+    pieces, optim_state = sharded.optimizer_targets(optimizer, described, common["optimizer"],
+                                                    where)
+    masters = None
+    if common["masters"] and any(p.dtype in (torch.float16, torch.bfloat16)
+                                 for p in described.params):
+        masters = [torch.empty(p.shape, dtype=torch.float32, device=p.device)
+                   for p in described.params]  # fmt: skip
+        pieces += [pc.like(sharded.MASTER, m) for pc, m in zip(described.of_param, masters)]
+    sharded.read(where, described.pieces + pieces)
+    optimizer.load_state_dict(optim_state)
+    scheduler.load_state_dict(common["scheduler"])
+    restore_rng(d, rank, common["layout"], layout(world_size))
+    extra = dict(common["extra"])
+    if masters is not None:
+        extra["main_params"] = masters
+    return {"iteration": common["iteration"], "consumed_samples": common["consumed_samples"],
+            "extra": extra}
