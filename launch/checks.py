@@ -326,11 +326,12 @@ def split_weights(split: str) -> tuple[float, float, float]:
 
 # The flags that shape the model's parameters or their files: a checkpoint written with
 # other values cannot be loaded (a size mismatch in load_state_dict on every rank).
-# chunk size, the exchange method and the stages' precision change no parameter, so they may differ.
+# The chunk size, the exchange method and the stages' precision change no parameter, and
+# the checkpoint's pieces reshard across TP, CP and DP sizes, so those may differ.
 MODEL_FLAGS = (
     "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
     "position_embedding_type", "max_position_embeddings", "vocab_size",
-    "make_vocab_size_divisible_by", "tensor_model_parallel_size", "bf16", "fp16",
+    "make_vocab_size_divisible_by", "bf16", "fp16",
 )
 _FREE_HLA = ("hla_chunk_size", "hla_sp_method", "hla_precision")
 

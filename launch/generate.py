@@ -4,9 +4,11 @@
                     [--top-k K] [--seed S] [--device cpu] [--ckpt-step N]
 
 The model is rebuilt from the checkpoint's ``config.json`` (one process, no context or
-tensor parallelism: a checkpoint of any CP size loads) and its weights from
-``model_optim_tp00.pt``. Tokens are bytes (ids 0..255; 256 ends a document), as the
-trainer's built-in data and ``make-dataset`` write them.
+tensor parallelism) and its weights are read from the checkpoint's pieces of whole
+tensors, so a checkpoint of any TP, CP or DP size loads (one of the first format, with
+one ``model_optim_tpNN.pt`` per TP rank, only when TP was 1). Tokens are bytes (ids
+0..255; 256 ends a document), as the trainer's built-in data and ``make-dataset`` write
+them.
 
 Every HLA layer keeps its recurrent state (:class:`RecurrentState` in its core
 attention) across the model's forwards: the prompt is one forward (the chunk-parallel
@@ -114,13 +116,10 @@ def check_decodable(cfg: TrainConfig) -> None:
 
 
 def decode_config(cfg: TrainConfig) -> TrainConfig:
-    """The training config as one process decodes it: no CP, TP or recompute."""
-    if cfg.tensor_model_parallel_size != 1:
-        raise GenerateError(f"checkpoint: expected tensor_model_parallel_size 1 (one "
-                            f"model_optim_tp00.pt holds every weight), got "
-                            f"{cfg.tensor_model_parallel_size}")
-    return dataclasses.replace(cfg, context_parallel_size=1, recompute_granularity=None,
-                               recompute_activations=False)
+    """The training config as one process decodes it: no CP, TP or recompute (the
+    checkpoint's pieces reshard into one process's whole tensors)."""
+    return dataclasses.replace(cfg, context_parallel_size=1, tensor_model_parallel_size=1,
+                               recompute_granularity=None, recompute_activations=False)
 
 
 def _quiet_megatron() -> None:
@@ -164,19 +163,10 @@ def load_model(load: str, step: int | None = None, device: str = "cpu"
     dev = torch.device(device)
     torch.manual_seed(cfg.seed)  # the weights are overwritten; this keeps the build quiet
     model = build_model(cfg, BYTE_VOCAB, dev).to(device=dev, dtype=model_dtype(cfg))
-    path = os.path.join(checkpoint.checkpoint_dir(load, it), "model_optim_tp00.pt")
     try:
-        state = checkpoint._torch_load(path, "model weights")
+        checkpoint.load_weights(load, it, model)
     except checkpoint.CheckpointError as e:
         raise GenerateError(str(e)) from None
-    if "model" not in state:
-        raise GenerateError(f"{path}: no 'model' entry (keys {sorted(state)})")
-    try:
-        model.load_state_dict(state["model"])
-    except RuntimeError as e:
-        first = str(e).strip().splitlines()[0]
-        raise GenerateError(f"{path}: the weights do not fit the model its config.json "
-                            f"describes ({first})") from None
     return model.eval(), cfg
 
 

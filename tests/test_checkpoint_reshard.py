@@ -119,3 +119,25 @@ def test_common_file_records_the_layout(runs: dict[str, Any]) -> None:
                         checkpoint.COMMON, weights_only=True)  # fmt: skip
     assert common["layout"] == {"world_size": 2, "tp": 2, "cp": 1, "dp": 1}
     assert common["iteration"] == 2 and common["consumed_samples"] == 8
+
+
+def test_one_process_reads_the_weights_a_tp2_run_saved(runs: dict[str, Any],
+                                                        tmp_path: Path) -> None:
+    """What ``hla-sp generate`` does: rebuild the model in one process (TP 1) and read
+    only its weights; every tensor equals the whole tensor the TP 2 ranks saved."""
+    from hla_sp.launch.checkpoint import sharded
+    from hla_sp.launch.config import parse_args
+    from hla_sp.launch.generate import single_process
+    from hla_sp.launch.model import build_model
+
+    whole = _whole(runs["dir"] / "tp2", 2, tmp_path / "w.pt")
+    with single_process():
+        model = build_model(parse_args(TINY), 512)
+        for p in model.parameters():
+            p.data.zero_()
+        checkpoint.load_weights(str(runs["dir"] / "tp2"), 2, model)
+        pieces = sharded.describe_model(model, writes=False).pieces
+    assert pieces and all(p.global_shape == tuple(whole[p.key].shape) for p in pieces)
+    for p in pieces:
+        at = tuple(slice(o, o + n) for o, n in zip(p.offsets, p.tensor.shape))
+        assert torch.equal(p.tensor, whole[p.key][at]), p.key

@@ -55,7 +55,7 @@ from hla_sp.launch.checkpoint.preflight_checks import (
 )
 from hla_sp.launch.checkpoint.rng import rng_state, set_rng_state
 from hla_sp.launch.checkpoint.run_config import check_config_dict, saved_config
-from hla_sp.launch.checkpoint.store import load, save
+from hla_sp.launch.checkpoint.store import load, load_weights, save
 
 __all__ = [
     "COMMON",
@@ -76,6 +76,7 @@ __all__ = [
     "iter_dir",
     "latest_iteration",
     "load",
+    "load_weights",
     "preflight",
     "resume_iteration",
     "rng_state",

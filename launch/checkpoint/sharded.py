@@ -98,6 +98,14 @@ def parallel_sizes() -> tuple[int, int]:
     return ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size()
 
 
+def tp_rank() -> int:
+    """This process's tensor-parallel rank (0 without megatron-core's groups)."""
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is None or not ps.model_parallel_is_initialized():
+        return 0
+    return ps.get_tensor_model_parallel_rank()
+
+
 def describe_model(model: torch.nn.Module, writes: bool) -> ModelPieces:
     """Every tensor of ``model`` as a piece: from megatron's ``sharded_state_dict``, or
     (a plain module) each whole tensor, written by the ranks where ``writes`` holds."""
@@ -326,9 +334,10 @@ def write(path: str, pieces: list[Piece]) -> None:
                               f"({type(cause).__name__}: {_first_line(cause)})") from e
 
 
-def read(path: str, pieces: list[Piece]) -> None:
+def read(path: str, pieces: list[Piece], warn_padding: bool = True) -> None:
     """Fill ``pieces`` from the DCP directory ``path`` (collective), whatever sizes of TP,
-    CP and DP wrote it."""
+    CP and DP wrote it; ``warn_padding``: say when the padded vocabulary's size differs
+    (it moves a training loss; a sampler that never draws padding ids need not say)."""
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise CheckpointError(f"{os.path.join(path, '.metadata')}: missing (the index of the "
                               f"model and optimizer state)")
@@ -344,7 +353,8 @@ def read(path: str, pieces: list[Piece]) -> None:
             f"{_first_line(cause)}); the files are truncated or corrupt: resume from "
             f"another iteration with --ckpt-step") from e
     for key, (saved, now) in planner.resized.items():
-        if not key.startswith(MOMENT):  # the moments and masters follow their weight
+        # the moments and masters follow their weight: one line per weight
+        if warn_padding and not key.startswith(MOMENT):
             warn_once(
                 f"{path}: {key} is {saved} in the checkpoint and {now} in this run (the "
                 f"vocabulary is padded to a multiple of --make-vocab-size-divisible-by x "

@@ -189,3 +189,30 @@ def load(
         extra["main_params"] = masters
     return {"iteration": common["iteration"], "consumed_samples": common["consumed_samples"],
             "extra": extra}
+
+
+def load_weights(root: str, iteration: int, model: torch.nn.Module) -> None:
+    """Read only the model's weights of ``iteration`` under ``root`` into ``model``, at
+    this process's TP size whatever layout wrote them (the first format: at its own TP
+    size). For tools that run the model without its optimizer (``hla-sp generate``);
+    collective when the process group has several ranks."""
+    d = checkpoint_dir(root, iteration)
+    if not os.path.isfile(os.path.join(d, COMMON)) and os.path.isfile(
+            os.path.join(d, LEGACY_MODEL)):
+        tp, _ = sharded.parallel_sizes()
+        why = legacy.tp_mismatch(d, tp)
+        if why:
+            raise CheckpointError(why)
+        path = os.path.join(d, f"model_optim_tp{sharded.tp_rank():02d}.pt")
+        state = read_torch_file(path, "model weights")
+        if "model" not in state:
+            raise CheckpointError(f"{path}: no 'model' entry (keys {sorted(state)})")
+        try:
+            model.load_state_dict(state["model"])
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()[0]
+            raise CheckpointError(f"{path}: the weights do not fit this model ({first})"
+                                  ) from None
+        return
+    sharded.read(os.path.join(d, SHARDED), sharded.describe_model(model, writes=False).pieces,
+                 warn_padding=False)
