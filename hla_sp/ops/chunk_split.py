@@ -65,6 +65,7 @@ from hla_sp.ops.isolation import (
     bad_tokens,
     cuts,
     finite,
+    poison_,
     poison_segments,
     poisoned_prefix,
 )
@@ -155,8 +156,7 @@ class SplitChunks:
         """Step 1: the shard's state from a zero state, [B, H, K, V] (a new tensor), NaN
         where a non-finite input of its last segment reaches it."""
         h = self._states().contiguous()
-        return h.masked_fill_(poisoned_prefix(self.bad, self.seg_cut)[:, -1, :, None, None],
-                              float("nan"))
+        return poison_(h, poisoned_prefix(self.bad, self.seg_cut)[:, -1])
 
     def _clean_init(self, h_init: Tensor | None) -> Tensor | None:
         """h_init cleaned, its poison kept as a flag (``init_bad``)."""
@@ -190,7 +190,7 @@ class SplitChunks:
             o[:, t0:t1] = to_tokens(ob, t1 - t0)
         self.h_in0 = self.p = self.o = self.cut = None
         reach = poisoned_prefix(self.bad, self.seg_cut, self.init_bad) | self.bad_q
-        return o.masked_fill_(reach[..., None], float("nan"))
+        return poison_(o, reach)
 
     # backward ----------------------------------------------------------------------
 

@@ -13,10 +13,11 @@ so a training step holds no per-chunk activations.
 Two operators, both taking the backend name chosen by :mod:`hla_sp.ops.dispatch`:
 
     hla_sp::chunk_linear_attention(q, k, v, g?, resets?, h0?, chunk_size, backend)
-        -> (o [B, T, H, V], h_last [B, H, K, V]), both in the compute dtype (fp32,
-        or fp64 for fp64 inputs on the torch backend)
-    hla_sp::chunk_linear_attention_bwd(q, k, v, g?, resets?, h0?, do, dht?, chunk_size,
-        backend) -> (dq, dk, dv, dg, dh0)
+        -> (o [B, T, H, V], h_last [B, H, K, V], bad [B, T, H] bool); o and h_last in
+        the compute dtype (fp32, or fp64 for fp64 inputs on the torch backend), bad
+        the tokens whose k, v or decay is non-finite (kept for the backward)
+    hla_sp::chunk_linear_attention_bwd(q, k, v, g?, resets?, h0?, do, dht?, bad,
+        chunk_size, backend) -> (dq, dk, dv, dg, dh0)
 
 Absent gradients (no g, no h0) come back as empty tensors, because an operator's
 outputs must be tensors; the autograd formula turns them back into None. The Triton
@@ -32,7 +33,7 @@ import torch
 
 from hla_sp.ops.chunk import chunk_backward, chunk_forward
 from hla_sp.ops.dispatch import backend_for, triton_chunk_backward, triton_chunk_forward
-from hla_sp.ops.isolation import poison_grads, poison_outputs
+from hla_sp.ops.isolation import bad_tokens, poison_grads, poison_outputs
 from hla_sp.ops.precision import compute_dtype
 
 Tensor = torch.Tensor
@@ -53,30 +54,33 @@ def chunk_linear_attention_op(
     h0: Tensor | None,
     chunk_size: int,
     backend: str,
-) -> tuple[Tensor, Tensor]:
-    """The chunk scan of ``backend`` ("torch" or "triton"), in the compute dtype.
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The chunk scan of ``backend`` ("torch" or "triton"), in the compute dtype, and
+    the bad-token flags.
 
     Both backends compute on clean operands; the poison of non-finite inputs is put
-    back here, by flags (:mod:`hla_sp.ops.isolation`)."""
+    back here, by flags (:mod:`hla_sp.ops.isolation`). The flags of k, v and g are an
+    output so that the backward reads them instead of reducing k and v again."""
     if backend == "triton":
         o, h = triton_chunk_forward(q, k, v, g, resets, h0, chunk_size)
     else:
         # Contiguous and never an alias of h0, as the fake and the operator rules require.
         o, h = chunk_forward(q, k, v, g, resets, h0, chunk_size)
-    poison_outputs(o, h, k, v, g, resets, h0)
-    return o, h
+    bad = bad_tokens(k, v, g)
+    poison_outputs(o, h, bad, g, resets, h0)
+    return o, h, bad
 
 
 @chunk_linear_attention_op.register_fake
 def _(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, resets: Tensor | None,
     h0: Tensor | None, chunk_size: int, backend: str,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     B, T, H, K = q.shape
     V = v.shape[-1]
     o = q.new_empty(B, T, H, V, dtype=_out_dtype(q, backend))
     h = q.new_empty(B, H, K, V, dtype=_out_dtype(q, backend))
-    return o, h
+    return o, h, q.new_empty(B, T, H, dtype=torch.bool)
 
 
 @torch.library.custom_op("hla_sp::chunk_linear_attention_bwd", mutates_args=())
@@ -89,17 +93,19 @@ def chunk_linear_attention_bwd_op(
     h0: Tensor | None,
     do: Tensor,
     dht: Tensor | None,
+    bad: Tensor,
     chunk_size: int,
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of :func:`chunk_linear_attention_op`; dg, dh0 empty when g, h0 are None."""
+    """Gradients of :func:`chunk_linear_attention_op` (``bad``: its third output); dg,
+    dh0 empty when g, h0 are None."""
     if backend == "triton":
         dq, dk, dv, dg, dh0 = triton_chunk_backward(
             q, k, v, g, resets, h0, do, dht, chunk_size
         )
     else:
         dq, dk, dv, dg, dh0 = chunk_backward(q, k, v, g, resets, h0, do, dht, chunk_size)
-    poison_grads([dq, dk, dv, dg], dh0, q, k, v, g, resets, h0, do, dht)
+    poison_grads([dq, dk, dv, dg], dh0, q, bad, g, resets, h0, do, dht)
     # Contiguous, in the inputs' dtypes: exactly what the fake below promises.
     # (Two distinct empties: outputs of an operator may not alias each other.)
     dg = q.new_empty(0) if dg is None else dg.to(g.dtype).contiguous()
@@ -113,7 +119,8 @@ def chunk_linear_attention_bwd_op(
 @chunk_linear_attention_bwd_op.register_fake
 def _(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, resets: Tensor | None,
-    h0: Tensor | None, do: Tensor, dht: Tensor | None, chunk_size: int, backend: str,
+    h0: Tensor | None, do: Tensor, dht: Tensor | None, bad: Tensor, chunk_size: int,
+    backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     def like(x: Tensor) -> Tensor:
         return x.new_empty(x.shape)  # contiguous, whatever x's strides
@@ -125,17 +132,19 @@ def _(
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     q, k, v, g, resets, h0, chunk_size, backend = inputs
-    ctx.save_for_backward(q, k, v, g, resets, h0)
+    ctx.save_for_backward(q, k, v, g, resets, h0, output[2])
     ctx.chunk_size, ctx.backend = chunk_size, backend
     ctx.has_g, ctx.has_h0 = g is not None, h0 is not None
 
 
-def _backward(ctx: Any, do: Tensor | None, dht: Tensor | None) -> tuple[Tensor | None, ...]:
-    q, k, v, g, resets, h0 = ctx.saved_tensors
+def _backward(
+    ctx: Any, do: Tensor | None, dht: Tensor | None, _dbad: Any
+) -> tuple[Tensor | None, ...]:
+    q, k, v, g, resets, h0, bad = ctx.saved_tensors
     if do is None:
         do = q.new_zeros(*q.shape[:3], v.shape[-1], dtype=_out_dtype(q, ctx.backend))
     dq, dk, dv, dg, dh0 = chunk_linear_attention_bwd_op(
-        q, k, v, g, resets, h0, do, dht, ctx.chunk_size, ctx.backend
+        q, k, v, g, resets, h0, do, dht, bad, ctx.chunk_size, ctx.backend
     )
     return (
         dq, dk, dv, dg if ctx.has_g else None, None, dh0 if ctx.has_h0 else None, None, None,
@@ -164,7 +173,8 @@ def make_chunk_impl(backend: str) -> Callable[..., tuple[Tensor, Tensor]]:
         h0: Tensor | None = None,
         chunk_size: int = 64,
     ) -> tuple[Tensor, Tensor]:
-        return chunk_linear_attention_op(q, k, v, g, resets, h0, chunk_size, backend)
+        o, h, _ = chunk_linear_attention_op(q, k, v, g, resets, h0, chunk_size, backend)
+        return o, h
 
     return impl
 
@@ -194,7 +204,8 @@ def chunk_linear_attention_triton(
         o: [B, T, H, V] and h_last: [B, H, K, V], both fp32 (the compute dtype, as the
         torch path returns them; the caller casts o).
     """
-    return chunk_linear_attention_op(q, k, v, g, resets, h0, chunk_size, "triton")
+    o, h, _ = chunk_linear_attention_op(q, k, v, g, resets, h0, chunk_size, "triton")
+    return o, h
 
 
 ChunkImpl = Callable[..., tuple[Tensor, Tensor]]

@@ -35,6 +35,7 @@ from hla_sp.ops.isolation import (
     bad_tokens,
     cuts,
     either,
+    poison_,
     poison_segments,
     poisoned_prefix,
 )
@@ -96,14 +97,14 @@ def _poison_outputs(
         S_bad, H_bad = bad_state(S0), bad_state(H0)
         for x, flag in ((S_T, S_bad), (H_T, either(S_bad, H_bad))):
             if flag is not None:
-                x.masked_fill_(flag[..., None, None], float("nan"))
+                poison_(x, flag)
         return
     cut = cuts(resets, g, k)
     stage1 = poisoned_prefix(bad_tokens(k, k, g), cut, bad_state(S0))
     stage2 = poisoned_prefix(stage1 | bad_rows(q) | bad_rows(v), cut, bad_state(H0))
-    o.masked_fill_(stage2[..., None], float("nan"))
-    S_T.masked_fill_(stage1[:, -1, :, None, None], float("nan"))
-    H_T.masked_fill_(stage2[:, -1, :, None, None], float("nan"))
+    poison_(o, stage2)
+    poison_(S_T, stage1[:, -1])
+    poison_(H_T, stage2[:, -1])
 
 
 def fused_hla2_chunk(
