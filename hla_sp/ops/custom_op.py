@@ -34,6 +34,7 @@ import torch
 from hla_sp.ops.chunk import chunk_backward, chunk_forward
 from hla_sp.ops.dispatch import backend_for, triton_chunk_backward, triton_chunk_forward
 from hla_sp.ops.isolation import bad_tokens, poison_grads, poison_outputs
+from hla_sp.ops.one_token import needs_grad, one_token
 from hla_sp.ops.precision import compute_dtype
 
 Tensor = torch.Tensor
@@ -161,7 +162,9 @@ def make_chunk_impl(backend: str) -> Callable[..., tuple[Tensor, Tensor]]:
     q [B, T, H, K] (already scaled), k [B, T, H, K], v [B, T, H, V], g [B, T, H]
     log-decay (<= 0, -inf a hard reset) or None, resets [B, T] bool (True where a
     document starts; position 0 False) or None, h0 [B, H, K, V] or None; it returns
-    o [B, T, H, V] and the last state [B, H, K, V] in the compute dtype."""
+    o [B, T, H, V] and the last state [B, H, K, V] in the compute dtype. One token
+    without autograd (a decode step) runs the recurrence's step instead of the scan
+    (:mod:`hla_sp.ops.one_token`)."""
 
     def impl(
         q: Tensor,
@@ -173,6 +176,8 @@ def make_chunk_impl(backend: str) -> Callable[..., tuple[Tensor, Tensor]]:
         h0: Tensor | None = None,
         chunk_size: int = 64,
     ) -> tuple[Tensor, Tensor]:
+        if q.shape[1] == 1 and not needs_grad(q, k, v, g, h0):
+            return one_token(q, k, v, g, h0)  # a decode step: position 0 has no reset
         o, h, _ = chunk_linear_attention_op(q, k, v, g, resets, h0, chunk_size, backend)
         return o, h
 
