@@ -24,7 +24,7 @@ start=$(date +%s)
 status=0
 # A test failure is reported, but the timings still run: both are worth having.
 timeout 120 "$PY" -m pytest -q -p no:cacheprovider \
-  tests/test_kernels.py tests/test_kernels_hla2.py tests/test_compile.py \
+  tests/test_kernels.py tests/test_kernels_hla2.py tests/test_compile.py tests/test_launch_cuda.py \
   tests/test_precision.py || status=1
 timeout 300 "$PY" benchmarks/bench_gpu.py --out "$OUT" || status=1
 echo "gpu_check: done in $(( $(date +%s) - start )) s, status $status; results in $OUT"
