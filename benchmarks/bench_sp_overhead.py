@@ -33,9 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from allocator import KEEP_FREED, rerun_keeping_freed
 from bench_sp_common import RESULTS, save, timing_task
 
+from hla_sp.config import SP_METHODS
 from hla_sp.testing import World
 
-METHODS = ["allgather", "ring", "tree"]
+METHODS = list(SP_METHODS)
 
 
 def main(T_local: int = 8192, H: int = 2, K: int = 32, V: int = 32, reps: int = 15) -> None:

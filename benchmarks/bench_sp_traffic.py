@@ -22,9 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_sp_common import RESULTS, save, traffic_task
 
+from hla_sp.config import SP_METHODS
 from hla_sp.testing import World
 
-METHODS = ("allgather", "ring", "tree")
+METHODS = SP_METHODS
 LAYOUTS = ("contiguous", "zigzag")
 
 

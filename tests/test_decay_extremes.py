@@ -15,6 +15,7 @@ import torch
 from op_table import OPS_BY_NAME, make_inputs, rel_err
 
 import hla_sp
+from hla_sp.config import SP_METHODS
 
 EXTREMES = [float("-inf"), -1e4, -1e6, -1e30]
 NAMES = ["linear", "hla2", "ahla", "hla3"]
@@ -154,7 +155,7 @@ def test_sequence_parallel_exact(world):
     for i, (name, value) in enumerate(
         (n, x) for n in ("la", "hla2", "ahla", "hla3") for x in EXTREMES
     ):
-        method = ("allgather", "ring", "tree")[i % 3]
+        method = SP_METHODS[i % len(SP_METHODS)]
         for dtype in ("float64", "float32"):
             cases.append(case(name, T=24, chunk=8, decay="token", h0=True, final=True,
                               method=method, dtype=dtype, extreme=value, at=5, seed=i,

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import hla_sp
+from hla_sp.config import SP_METHODS
 from hla_sp.ops.dispatch import use_backend
 
 H, K, V = 2, 16, 16
@@ -297,7 +298,7 @@ def sp_isolation_task(rank: int, P: int, composed: bool) -> list[str]:
     try:
         with use_backend("torch"):
             for method, layout, op in itertools.product(
-                    ("allgather", "ring", "tree"), ("contiguous", "zigzag"), ("la", "hla2")):
+                    SP_METHODS, ("contiguous", "zigzag"), ("la", "hla2")):
                 sp = SequenceParallel(layout=layout, method=method)
                 lengths = split_lengths(T, P, layout)
                 pos = positions(rank, P, layout, lengths)

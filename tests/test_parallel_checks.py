@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import hla_sp
+from hla_sp.config import SP_METHODS
 from hla_sp.parallel import SequenceParallel, reset_traffic, shard, traffic
 from hla_sp.testing import RemoteError, World
 
@@ -227,7 +228,7 @@ def test_primitive_without_checked_call_raises(world) -> None:
 def _traffic_task(rank: int, P: int, T: int, dtype: torch.dtype) -> dict[str, dict[str, int]]:
     out = {}
     for layout in ("contiguous", "zigzag"):
-        for method in ("allgather", "ring", "tree"):
+        for method in SP_METHODS:
             sp = SequenceParallel(layout=layout, method=method)
             q, k, v = (shard(x, rank, P, layout).requires_grad_(True)
                        for x in _inputs(T, dtype=dtype))
@@ -297,7 +298,7 @@ def _chain_task(rank: int, P: int, method: str) -> float:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("method", ["allgather", "ring", "tree"])
+@pytest.mark.parametrize("method", SP_METHODS)
 def test_chained_calls_with_an_empty_shard(world, method: str) -> None:
     errs = world(3).run(_chain_task, method, timeout=90)
     assert max(errs) < 1e-10, errs

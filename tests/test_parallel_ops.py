@@ -15,8 +15,10 @@ import itertools
 import pytest
 from parallel_cases import case, run_cases
 
+from hla_sp.config import SP_METHODS
+
 OPS = ("la", "hla2", "ahla", "hla3")
-METHODS = ("allgather", "ring", "tree")
+METHODS = SP_METHODS
 LAYOUTS = ("contiguous", "zigzag")
 
 

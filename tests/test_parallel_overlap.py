@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import hla_sp
+from hla_sp.config import SP_METHODS
 from hla_sp.parallel import SequenceParallel
 
 
@@ -74,7 +75,7 @@ def _order_task(rank: int, P: int, method: str, overlap: bool, split: bool) -> l
 
 
 @pytest.mark.parametrize("split", [True, False], ids=["split", "composed"])
-@pytest.mark.parametrize("method", ["allgather", "ring", "tree"])
+@pytest.mark.parametrize("method", SP_METHODS)
 def test_reverse_exchange_in_flight_during_local_backward(world, method: str, split: bool) -> None:
     for events in world(2).run(_order_task, method, True, split, timeout=120):
         assert events == ["reverse exchange started", "local backward",
