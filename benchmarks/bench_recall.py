@@ -30,6 +30,7 @@ several positions.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import math
 import os
@@ -529,8 +530,15 @@ def main(argv: list[str] | None = None) -> None:
 
     def report(r: dict[str, Any]) -> None:
         """Print a finished run and rewrite the JSON and PNG, so a long grid that is
-        stopped keeps every run it finished."""
+        stopped keeps every run it finished. Under a lock, with the runs that other
+        processes wrote to the same file meanwhile kept (parts of a grid may run at once)."""
         results.append(r)
+        lock = open(out_json.with_suffix(".lock"), "w")  # noqa: SIM115 (held to the end)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if out_json.exists():
+            mine = {run_key(x) for x in results}
+            results.extend(x for x in json.loads(out_json.read_text())["results"]
+                           if run_key(x) not in mine)
         print(f"T={r['T']:4d} pairs={r['pairs']:3d} d={r['d_model']:3d} {r['mixer']:14s} "
               f"lr {r['lr']:.0e} seed {r['seed']}: acc {r['acc']:.3f} loss {r['loss']:.3f} "
               f"to-0.9 {r['steps_to_0.9']} ({r['seconds']:.0f} s)", flush=True)
@@ -541,7 +549,10 @@ def main(argv: list[str] | None = None) -> None:
                             "cpu": platform.processor() or platform.machine(),
                             "jobs": a.jobs, "threads_per_job": 1},
                 "summary": summarize(results), "results": results}
-        out_json.write_text(json.dumps(data, indent=1))
+        tmp = out_json.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(out_json)
+        lock.close()
         plot(results, a.out / f"{a.name}.png")
 
     if a.jobs > 1 and len(jobs) > 1:
