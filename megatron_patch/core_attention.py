@@ -12,8 +12,10 @@ is: no all-to-all, no resharding; only the segment summaries cross ranks.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -212,10 +214,9 @@ class HLACoreAttention(MegatronModule):
         fmt = getattr(packed_seq_params, "qkv_format", None) if packed_seq_params else None
         cu_seqlens = None
         if fmt == "thd":
-            cu = packed_seq_params.cu_seqlens_q_padded
-            if cu is None:
-                cu = packed_seq_params.cu_seqlens_q
-            cu_seqlens = cu.detach().to("cpu", torch.int64).reshape(-1)
+            cu_seqlens = packed_seq_params.cu_seqlens_q_padded
+            if cu_seqlens is None:
+                cu_seqlens = packed_seq_params.cu_seqlens_q
         elif fmt not in (None, "sbhd", "bshd"):
             raise ValueError(f"packed_seq_params.qkv_format: expected 'thd' or 'sbhd', got {fmt!r}")
         if query.dim() == 3:
@@ -237,7 +238,8 @@ class HLACoreAttention(MegatronModule):
         if self.recurrent is not None:
             o = self._continue(q, k, v, cu_seqlens, sp)
         else:
-            o, _ = self.heads(q, k, v, cu_seqlens=cu_seqlens, sp=sp)
+            plan = batch_plan(packed_seq_params, cu_seqlens, q.shape[1], sp)
+            o, _ = self.heads(q, k, v, sp=sp, plan=plan)
         width = o.shape[2] * o.shape[3]  # explicit: a -1 is ambiguous for an empty shard
         if query.dim() == 3:
             return o.reshape(o.shape[1], width)
@@ -275,3 +277,40 @@ class HLACoreAttention(MegatronModule):
         return make_sharded_tensors_for_checkpoint(
             state_dict, prefix, axis_map, sharded_offsets, **kwargs
         )
+
+
+# The plan of the micro-batch in flight: (weak references to its packed_seq_params and
+# cu_seqlens, the facts it was planned for, the plan). One entry: micro-batches run
+# one after another, and every layer of one sees the same packed_seq_params object.
+_LAST_PLAN: list[tuple[Any, Any, tuple, Any]] = []
+
+
+def batch_plan(packed_seq_params: Any, cu_seqlens: Tensor | None, T_local: int,
+               sp: Any) -> Any:
+    """The micro-batch's :class:`~hla_sp.ops.sharding.BatchPlan`, built by its first
+    layer (one host read of cu_seqlens; under CP one all-gather, on every rank, as
+    every rank runs the same layers) and reused by the 2nd..Nth layer and by
+    activation recomputation: the cache is keyed on the packed_seq_params object and
+    its cu_seqlens tensor (identity and in-place version), the local length and the
+    SequenceParallel. None without documents (Megatron's CP layout is zigzag, whose
+    lengths every rank knows: nothing to plan)."""
+    if cu_seqlens is None:
+        return None
+    cu = cu_seqlens.detach().reshape(-1)
+    facts = (T_local, id(sp), cu.data_ptr(), cu._version)
+    if _LAST_PLAN:
+        params_ref, cu_ref, seen, plan = _LAST_PLAN[0]
+        if params_ref() is packed_seq_params and cu_ref() is cu_seqlens and seen == facts:
+            return plan
+    if sp is None:
+        from hla_sp.ops.sharding import plan_documents
+
+        plan = plan_documents(cu, T_local)
+    else:
+        plan = sp.plan_batch(T_local, cu)
+    _LAST_PLAN.clear()
+    # An object without weak references (TypeError): plan per layer, uncached.
+    with contextlib.suppress(TypeError):
+        _LAST_PLAN.append((weakref.ref(packed_seq_params), weakref.ref(cu_seqlens), facts,
+                           plan))
+    return plan

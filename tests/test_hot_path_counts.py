@@ -5,7 +5,9 @@ run three times and the third call is counted (:func:`hla_sp.testing.counting`, 
 wraps the torch.distributed functions and ``Tensor.item/tolist/cpu``): forward makes
 the conv halo's all-gather and one exchange per composition stage (plus the final
 states' all-reduces when asked for), backward their reverses, and neither reads a
-tensor on the host. Counts are deterministic, so they are compared exactly.
+tensor on the host, with packed documents too when they come as a batch plan (whose
+construction reads the host once). Counts are deterministic, so they are compared
+exactly.
 
 Also here: the agreement design's two late-mismatch scenarios (module docs of
 :mod:`hla_sp.parallel.config`): a rank that changes an option, or its documents, at a
@@ -22,6 +24,7 @@ from hla_sp.testing import counting
 
 STAGES = {"linear": 1, "hla2": 2, "ahla": 2, "hla3": 3}
 P, T, HIDDEN, HEADS, HEAD_DIM = 2, 32, 32, 4, 8
+DOCS = [0, 5, 19, T]  # global offsets: documents cross the ranks' pieces
 
 
 def _p2p(method: str, rank: int, backward: bool) -> tuple[int, int]:
@@ -65,11 +68,17 @@ def _count_task(rank: int, world_size: int, cases: list[dict]) -> list[tuple[dic
                             short_conv=4 if c["conv"] else 0, decay=c.get("decay", "learned"))
         sp = SequenceParallel(layout="zigzag", method=c["method"])
         x = shard(torch.randn(1, T, HIDDEN), rank, world_size, "zigzag").requires_grad_()
-        state = layer.init_state(1) if c["states"] else None
+        docs = {}
+        if c.get("docs"):  # documents crossing ranks, planned once for the batch
+            with counting() as build:
+                docs = {"plan": sp.plan_batch(x.shape[1], torch.tensor(DOCS))}
+            assert dict(build) == {"all_gather": 1, "tolist": 1}, build  # one host read
+        n = len(DOCS) - 1 if docs else 1
+        state = layer.init_state(n) if c["states"] else None
         for _ in range(3):
             with counting() as fwd:
                 y, final = layer(x, sp=sp, initial_state=state,
-                                 output_final_state=c["states"])
+                                 output_final_state=c["states"], **docs)
             loss = y.square().sum()
             if final is not None:
                 loss = loss + sum(t.sum() for t in _leaves(final))
@@ -95,6 +104,9 @@ CASES = [
     dict(op="linear", kv=2, conv=False, states=True, method="ring"),
     dict(op="hla3", kv=2, conv=True, states=False, method="tree"),
     dict(op="ahla", kv=4, conv=False, states=True, method="tree"),
+    # documents through a batch plan: no host read either
+    dict(op="hla2", kv=2, conv=True, states=True, method="allgather", docs=True),
+    dict(op="hla3", kv=4, conv=False, states=False, method="ring", docs=True),
 ]
 
 

@@ -29,7 +29,7 @@ from hla_sp.nn.conv import ShortConv
 from hla_sp.nn.grouped import ALL_STATE_TYPES, grouped_operator, state_shapes
 from hla_sp.ops import validate
 from hla_sp.ops.precision import compute_dtype, resolve, stage_dtype
-from hla_sp.ops.sharding import SequenceParallelism
+from hla_sp.ops.sharding import BatchPlan, SequenceParallelism
 
 DEFAULTS = HLAConfig()
 HEADS_OPTIONS = tuple(DEFAULTS.heads_kwargs())  # the HLA options the layers take
@@ -254,6 +254,7 @@ class HLAHeads(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         sp: SequenceParallelism | None = None,
         chunk_size: int | None = None,
+        plan: BatchPlan | None = None,
     ) -> tuple[torch.Tensor, tuple | None]:
         """Per-head attention.
 
@@ -261,11 +262,18 @@ class HLAHeads(nn.Module):
             q: [B, T, Hq, K]. k, v: [B, T, Hkv, K]. Under ``sp`` each rank passes its
                 shard and ``cu_seqlens`` holds global offsets.
             chunk_size: overrides the module's chunk length (decode steps use 1).
+            plan: the batch's :class:`~hla_sp.ops.sharding.BatchPlan` instead of
+                ``cu_seqlens`` (no host read for the documents).
 
         Returns:
             (o [B, T, Hq, K] in q's dtype, final state or None)
         """
         self._check(q, k, v)
+        if plan is not None:
+            if cu_seqlens is not None:
+                raise ValueError("cu_seqlens: expected None when plan is given (the plan "
+                                 "holds the documents), got a tensor as well")
+            cu_seqlens = plan  # the operators take a BatchPlan where they take offsets
         op_state, conv_state = self._split_state(initial_state)
         log_decay = self.log_decay(k)
         # Everything between the projections runs in the compute dtype (fp32, or fp64
@@ -317,7 +325,7 @@ class HLAHeads(nn.Module):
         return state[0], state[1]
 
     def _convolve(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  conv_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+                  conv_state: torch.Tensor | None, cu_seqlens: torch.Tensor | BatchPlan | None,
                   sp: SequenceParallelism | None, want_final: bool):
         """The short convolution of q, k, v side by side; (q, k, v, final conv state)."""
         B, T, Hq, K = q.shape
@@ -333,7 +341,7 @@ class HLAHeads(nn.Module):
                 conv_initial_state=conv_state, output_final_state=want_final))
             bounds = None if plan.bounds is None else list(plan.bounds)
         else:
-            bounds = None if x.cu_seqlens is None else [int(c) for c in x.cu_seqlens.tolist()]
+            bounds = None if x.plan is None or x.plan.bounds is None else list(x.plan.bounds)
         # Explicit widths: an empty shard (T = 0 under sp) cannot infer a -1.
         nq, nk, nv = Hq * K, Hkv * K, Hkv * v.shape[-1]
         xs = torch.cat([q.reshape(B, T, nq), k.reshape(B, T, nk), v.reshape(B, T, nv)], -1)

@@ -16,7 +16,7 @@ from torch import nn
 from hla_sp.config import HLAConfig
 from hla_sp.nn.heads import HEADS_OPTIONS, HLAHeads
 from hla_sp.ops import validate
-from hla_sp.ops.sharding import SequenceParallelism
+from hla_sp.ops.sharding import BatchPlan, SequenceParallelism
 
 
 class HLAttention(nn.Module):
@@ -88,12 +88,14 @@ class HLAttention(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         sp: SequenceParallelism | None = None,
         chunk_size: int | None = None,
+        plan: BatchPlan | None = None,
     ) -> tuple[torch.Tensor, tuple | None]:
         """x [B, T, hidden] -> (y [B, T, hidden], final state or None).
 
-        ``cu_seqlens`` (B == 1) packs documents; ``sp`` runs sequence parallelism
-        (each rank passes its shard); ``initial_state`` continues from a state of
-        :meth:`init_state` / a previous call.
+        ``cu_seqlens`` (B == 1) packs documents, or ``plan``, the batch's
+        :class:`~hla_sp.ops.sharding.BatchPlan` built once for every layer; ``sp`` runs
+        sequence parallelism (each rank passes its shard); ``initial_state`` continues
+        from a state of :meth:`init_state` / a previous call.
         """
         validate.check_tensor("x", x, 3, "[B, T, hidden]")
         if x.shape[-1] != self.hidden_size:
@@ -105,7 +107,7 @@ class HLAttention(nn.Module):
         k = self.k_proj(x).view(B, T, h.num_kv_heads, h.head_dim)
         v = self.v_proj(x).view(B, T, h.num_kv_heads, h.head_dim)
         o, state = h(q, k, v, initial_state=initial_state, output_final_state=output_final_state,
-                     cu_seqlens=cu_seqlens, sp=sp, chunk_size=chunk_size)
+                     cu_seqlens=cu_seqlens, sp=sp, chunk_size=chunk_size, plan=plan)
         # Explicit width: an empty shard (T = 0 under sp) cannot infer a -1.
         return self.o_proj(o.reshape(B, T, h.num_heads * h.head_dim)), state
 

@@ -21,7 +21,7 @@ import torch
 from hla_sp.ops import validate
 from hla_sp.ops.linear_attention import DEFAULT_CHUNK_SIZE, primitive
 from hla_sp.ops.precision import LOW_PRECISION, resolve, stage_dtype
-from hla_sp.ops.sharding import SequenceParallelism
+from hla_sp.ops.sharding import BatchPlan, SequenceParallelism
 
 DEFAULT_EPS = 1e-6
 # Added to |x|^2 by the mix norm: below |x| ~ 1e-3 the unit vector fades out linearly
@@ -217,11 +217,12 @@ def _run(
     ridge: float = 0.0,
     eps: float = DEFAULT_EPS,
     precision: str = "auto",
+    plan: object = None,
 ) -> tuple[torch.Tensor, tuple | None]:
     """Validate, then run :func:`compose` with the primitive as every stage."""
     x = validate.check_inputs(
         q, k, v, log_decay=log_decay, scale=scale, cu_seqlens=cu_seqlens, sp=sp,
-        chunk_size=chunk_size, output_final_state=output_final_state,
+        chunk_size=chunk_size, output_final_state=output_final_state, plan=plan,
     )
     normalize = validate.check_bool("normalize", normalize)
     ridge = validate.check_nonneg("ridge", ridge)
@@ -229,10 +230,10 @@ def _run(
     precision = resolve(precision, x.q.dtype, x.q.device)
     fields = state_fields(operator, x.n_seq, x.H, x.H, x.K, x.V, normalize)
     state0 = _unpack_state(initial_state, fields, x.q)
-    plan = None
+    call = None
     if sp is not None:
         # output_final_state decides whether the final states are all-reduced: agree on it.
-        plan = sp.check_call(x, op=operator, options=dict(
+        call = sp.check_call(x, op=operator, options=dict(
             normalize=normalize, ridge=ridge, eps=eps, output_final_state=output_final_state,
             initial_state=state0, precision=precision))
     cdt = stage_dtype(precision, x.q.dtype)
@@ -240,8 +241,8 @@ def _run(
     def stage(qs: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, h0: torch.Tensor | None):
         # every stage of the call carries its one plan (one ordering of its collectives)
         return primitive(
-            qs, kk, vv, x.g, cu_seqlens=x.cu_seqlens, h0=h0, want_final=output_final_state,
-            chunk_size=x.chunk_size, sp=sp, plan=plan,
+            qs, kk, vv, x.g, cu_seqlens=x.plan, h0=h0, want_final=output_final_state,
+            chunk_size=x.chunk_size, sp=sp, plan=call,
         )
 
     o, final = compose(
@@ -268,6 +269,7 @@ def hla2(
     sp: SequenceParallelism | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     precision: str = "auto",
+    plan: BatchPlan | None = None,
 ) -> tuple[torch.Tensor, HLA2State | None]:
     """Masked second-order HLA: o_t = sum_{i<=j<=t} exp(A_t - A_i)(q_t.k_i)(k_i.q_j) v_j.
 
@@ -280,6 +282,8 @@ def hla2(
             symmetric, as every S the operators return (a non-symmetric one is refused).
         precision: "auto" | "exact" | "fast": what the stages exchange for 16-bit
             inputs (:mod:`hla_sp.ops.precision`); auto is fast on CUDA, exact elsewhere.
+        plan: the batch's :class:`~hla_sp.ops.sharding.BatchPlan` instead of
+            ``cu_seqlens`` (no host read).
         Other keywords as in :func:`hla_sp.linear_attention`.
 
     Returns:
@@ -289,6 +293,7 @@ def hla2(
         "hla2", q, k, v, log_decay=log_decay, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, sp=sp,
         chunk_size=chunk_size, normalize=normalize, ridge=ridge, eps=eps, precision=precision,
+        plan=plan,
     )
 
 
@@ -305,6 +310,7 @@ def ahla(
     sp: SequenceParallelism | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     precision: str = "auto",
+    plan: BatchPlan | None = None,
 ) -> tuple[torch.Tensor, AHLAState | None]:
     """Asymmetric HLA (AAV): o = ((W W) ⊙ L) V with W = L ⊙ QK^T, decay included.
 
@@ -314,7 +320,7 @@ def ahla(
     return _run(
         "ahla", q, k, v, log_decay=log_decay, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, sp=sp,
-        chunk_size=chunk_size, precision=precision,
+        chunk_size=chunk_size, precision=precision, plan=plan,
     )
 
 
@@ -331,6 +337,7 @@ def hla3(
     sp: SequenceParallelism | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     precision: str = "auto",
+    plan: BatchPlan | None = None,
 ) -> tuple[torch.Tensor, HLA3State | None]:
     """Masked third-order HLA: o = (((W W^T) ⊙ L) W ⊙ L) V, middle index kept <= t.
 
@@ -340,5 +347,5 @@ def hla3(
     return _run(
         "hla3", q, k, v, log_decay=log_decay, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, sp=sp,
-        chunk_size=chunk_size, precision=precision,
+        chunk_size=chunk_size, precision=precision, plan=plan,
     )

@@ -19,7 +19,11 @@ from hla_sp.ops import validate
 from hla_sp.ops.chunk import document_resets, segment_summary, with_carry_terms
 from hla_sp.ops.custom_op import chunk_impl
 from hla_sp.ops.isolation import carry_into, finite_decay
-from hla_sp.ops.sharding import SequenceParallelism
+from hla_sp.ops.sharding import BatchPlan, SequenceParallelism, documents_bounds
+
+# The documents of a primitive call: offsets (a tensor, read on the host, or Python
+# ints) or a BatchPlan (no host read).
+Documents = torch.Tensor | BatchPlan | tuple[int, ...] | None
 
 DEFAULT_CHUNK_SIZE = 64
 
@@ -30,7 +34,7 @@ def local_primitive(
     v: torch.Tensor,
     g: torch.Tensor | None,
     *,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: Documents = None,
     h0: torch.Tensor | None = None,
     want_final: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
@@ -40,7 +44,8 @@ def local_primitive(
     Args:
         q: [B, T, H, K], already scaled. k: [B, T, H, K]. v: [B, T, H, V].
         g: [B, T, H] log-decay or None.
-        cu_seqlens: int64 CPU tensor [N + 1] of document offsets (B == 1), or None.
+        cu_seqlens: document offsets [N + 1] (B == 1): an int64 CPU tensor, Python
+            ints or a :class:`BatchPlan` (no host read); or None.
         h0: [N, H, K, V] initial state per sequence (N = B without cu_seqlens), or None.
         want_final: also return the final state of each sequence.
 
@@ -49,12 +54,13 @@ def local_primitive(
         inputs) or None.
     """
     impl = chunk_impl(q)
-    if cu_seqlens is None:
+    bounds = (cu_seqlens.bounds if isinstance(cu_seqlens, BatchPlan)
+              else documents_bounds(cu_seqlens))
+    if bounds is None:
         o, h_last = impl(q, k, v, g, h0=h0, chunk_size=chunk_size)
         return o.to(q.dtype), (h_last if want_final else None)
 
     T = q.shape[1]
-    bounds = cu_seqlens.tolist()
     resets = document_resets(bounds, T, q.device)
     # The first document's initial state is the carry into position 0; the others
     # are added to their documents afterwards (their starts cut the chunk carry).
@@ -97,7 +103,7 @@ def primitive(
     v: torch.Tensor,
     g: torch.Tensor | None,
     *,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: Documents = None,
     h0: torch.Tensor | None = None,
     want_final: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
@@ -131,6 +137,7 @@ def linear_attention(
     cu_seqlens: torch.Tensor | None = None,
     sp: SequenceParallelism | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    plan: BatchPlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Decayed causal linear attention (first order).
 
@@ -144,6 +151,8 @@ def linear_attention(
         sp: a :class:`hla_sp.SequenceParallel`; each rank passes its shard.
         chunk_size: chunk length of the chunk-parallel path (a power of two; capped at
             the least power of two >= T, which gives the same result).
+        plan: the batch's :class:`~hla_sp.ops.sharding.BatchPlan` instead of
+            ``cu_seqlens`` (built once per batch: no host read here).
 
     Returns:
         (o [B, T, H, V] in q's dtype, final state or None)
@@ -158,23 +167,24 @@ def linear_attention(
         sp=sp,
         chunk_size=chunk_size,
         output_final_state=output_final_state,
+        plan=plan,
     )
     shape = (inputs.n_seq, inputs.H, inputs.K, inputs.V)
     h0 = validate.check_state("initial_state", initial_state, shape, inputs.q)
-    plan = None
+    call = None
     if sp is not None:
         # output_final_state decides whether the final state is all-reduced: agree on it.
-        plan = sp.check_call(inputs, op="linear_attention", options=dict(
+        call = sp.check_call(inputs, op="linear_attention", options=dict(
             output_final_state=output_final_state, initial_state=h0))
     return primitive(
         inputs.q * inputs.scale,
         inputs.k,
         inputs.v,
         inputs.g,
-        cu_seqlens=inputs.cu_seqlens,
+        cu_seqlens=inputs.plan,
         h0=h0,
         want_final=output_final_state,
         chunk_size=inputs.chunk_size,
         sp=sp,
-        plan=plan,
+        plan=call,
     )

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hla_sp.ops.sharding import BatchPlan, bounds_digest, check_bounds, documents_bounds
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -153,8 +155,9 @@ def check_log_decay(
 
 def check_cu_seqlens(
     cu_seqlens: object, q: torch.Tensor, *, total: int | None
-) -> torch.Tensor | None:
+) -> tuple[int, ...] | None:
     """Packed documents: int tensor [N + 1], 0 = c_0 < ... < c_N = total, with B == 1.
+    Returns the offsets as Python ints (one host read).
 
     ``total`` is T on one process; None skips the end check (sequence parallelism,
     where the global length is checked across ranks).
@@ -170,34 +173,50 @@ def check_cu_seqlens(
         _fail(
             ValueError, "cu_seqlens", "a 1-D tensor of N + 1 >= 2 offsets", tuple(cu_seqlens.shape)
         )
-    B = q.shape[0]
-    if B != 1:
-        _fail(
-            ValueError,
-            "q",
-            "batch size B == 1 when cu_seqlens is given (packed layout)",
-            f"B = {B}",
-        )
-    c = cu_seqlens.detach().cpu().long()
-    if c[0].item() != 0:
-        _fail(ValueError, "cu_seqlens", "cu_seqlens[0] == 0", f"cu_seqlens[0] = {c[0].item()}")
-    if total is not None and c[-1].item() != total:
-        _fail(
-            ValueError,
-            "cu_seqlens",
-            f"cu_seqlens[-1] == T = {total}",
-            f"cu_seqlens[-1] = {c[-1].item()}",
-        )
-    steps = c[1:] - c[:-1]
-    if (steps <= 0).any():
-        bad = int(torch.nonzero(steps <= 0)[0].item())
-        _fail(
-            ValueError,
-            "cu_seqlens",
-            "strictly increasing offsets",
-            f"cu_seqlens[{bad}] = {c[bad].item()} >= cu_seqlens[{bad + 1}] = {c[bad + 1].item()}",
-        )
-    return c
+    _check_packed(q, "cu_seqlens is given")
+    bounds = documents_bounds(cu_seqlens)
+    assert bounds is not None
+    check_bounds(bounds, total)
+    return bounds
+
+
+def _check_packed(q: torch.Tensor, why: str) -> None:
+    if q.shape[0] != 1:
+        _fail(ValueError, "q", f"batch size B == 1 when {why} (packed layout)",
+              f"B = {q.shape[0]}")
+
+
+def check_documents(
+    cu_seqlens: object, plan: object, q: torch.Tensor, *, sp: object
+) -> tuple[torch.Tensor | BatchPlan | None, BatchPlan | None]:
+    """The documents of a call, given as offsets or as a batch plan (``plan=``, or a
+    :class:`BatchPlan` passed as ``cu_seqlens`` by an inner call): (what to pass on
+    as ``cu_seqlens``, the call's plan or None). A plan is read without any host
+    synchronization; a tensor is read once and planned here."""
+    if isinstance(cu_seqlens, BatchPlan):
+        if plan is not None:
+            _fail(ValueError, "plan", "None when cu_seqlens is a BatchPlan", "both")
+        cu_seqlens, plan = None, cu_seqlens
+    if plan is not None:
+        if cu_seqlens is not None:
+            _fail(ValueError, "cu_seqlens", "None when plan is given (the plan holds the "
+                  "documents)", "a tensor as well")
+        if not isinstance(plan, BatchPlan):
+            _fail(TypeError, "plan", "a BatchPlan (hla_sp.ops.sharding.plan_documents or "
+                  "SequenceParallel.plan_batch)", type(plan).__name__)
+        assert isinstance(plan, BatchPlan)
+        plan.check_shard(q)
+        if sp is None and plan.T_local != plan.T:
+            _fail(ValueError, "plan", "a one-process plan (T = T_local) without sp", f"a "
+                  f"plan of a sharded batch (T = {plan.T}, T_local = {plan.T_local})")
+        return plan, plan
+    T = q.shape[1]
+    bounds = check_cu_seqlens(cu_seqlens, q, total=None if sp is not None else T)
+    if bounds is None:
+        return None, None
+    plan = BatchPlan(T_local=T, T=T if sp is None else bounds[-1], bounds=bounds,
+                     digest=bounds_digest(bounds), lengths=(T,) if sp is None else ())
+    return torch.tensor(bounds, dtype=torch.int64), plan
 
 
 def check_state(
@@ -304,7 +323,8 @@ class Inputs:
     k: torch.Tensor  # [B, T, H, K]
     v: torch.Tensor  # [B, T, H, V]
     g: torch.Tensor | None  # [B, T, H] log-decay
-    cu_seqlens: torch.Tensor | None  # [N + 1] int64 on CPU
+    # The documents as given: [N + 1] int64 on CPU (offsets), or the BatchPlan (plan=).
+    cu_seqlens: torch.Tensor | BatchPlan | None
     scale: float
     chunk_size: int
     B: int
@@ -313,6 +333,7 @@ class Inputs:
     K: int
     V: int
     n_seq: int  # B, or N documents when packed
+    plan: BatchPlan | None = None  # the call's documents as Python ints (None: none given)
 
 
 def check_inputs(
@@ -327,12 +348,14 @@ def check_inputs(
     chunk_size: object,
     value_name: str = "v",
     output_final_state: object = False,
+    plan: object = None,
 ) -> Inputs:
     """Every single-process check of a public call, in one place.
 
     Under sequence parallelism (``sp`` given) a rank's shard may be empty, and
     ``cu_seqlens`` describes the global sequence, so its end is checked against the
-    global length by the parallel layer instead.
+    global length by the parallel layer instead. ``plan`` (a :class:`BatchPlan`)
+    gives the documents instead of ``cu_seqlens``, with no host read.
     """
     q, k, v = check_qkv(q, k, v, value_name=value_name, allow_empty=sp is not None)
     B, T, H, K = q.shape
@@ -340,8 +363,8 @@ def check_inputs(
     # Under sp the sign is checked with the ranks' agreement, on the device (a check
     # of one rank's shard alone would raise on that rank only).
     g = check_log_decay(log_decay, q, check_values=sp is None)
-    cu = check_cu_seqlens(cu_seqlens, q, total=None if sp is not None else T)
+    cu, bp = check_documents(cu_seqlens, plan, q, sp=sp)
     cs = check_chunk_size(chunk_size, T)
     check_bool("output_final_state", output_final_state)
-    n_seq = B if cu is None else cu.numel() - 1
-    return Inputs(q, k, v, g, cu, sc, cs, B, T, H, K, v.shape[-1], n_seq)
+    n_seq = B if bp is None or bp.bounds is None else len(bp.bounds) - 1
+    return Inputs(q, k, v, g, cu, sc, cs, B, T, H, K, v.shape[-1], n_seq, bp)

@@ -232,11 +232,19 @@ def gather_rows(
 ) -> list[list[int]]:
     """Every rank's row [P][len(row)], waiting at most ``timeout_s`` (None: the group's
     own timeout)."""
+    return gather_words(mine, group, P, op, timeout_s).cpu().tolist()
+
+
+def gather_words(
+    mine: torch.Tensor, group: dist.ProcessGroup, P: int, op: str, timeout_s: float | None
+) -> torch.Tensor:
+    """Every rank's row, [P, len(row)] on the row's device (not read on the host: the
+    caller reads it, with whatever else it needs, in one transfer)."""
     n = mine.numel()
     rows = mine.new_empty(P * n)
     if P == 1:
         rows.copy_(mine)
-        return rows.view(P, n).cpu().tolist()
+        return rows.view(P, n)
     start = time.monotonic()
     work = all_gather_single(rows, mine, group=group, async_op=True)
     count("meta", (P - 1) * mine.numel() * mine.element_size())
@@ -248,7 +256,7 @@ def gather_rows(
     except RuntimeError as e:
         raise RuntimeError(_join_failure(op, e, time.monotonic() - start,
                                          timeout_s)) from e
-    return rows.view(P, n).cpu().tolist()
+    return rows.view(P, n)
 
 
 def _join_failure(op: str, e: RuntimeError, elapsed: float, timeout: float | None) -> str:

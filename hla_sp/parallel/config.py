@@ -28,14 +28,17 @@ rank at the same collective. On CPU the device assert raises at once, and every 
 then runs the full check together for the detailed ValueError; on an accelerator it
 is a device-side assert ordered on the stream before every later collective (run
 with ``check="always"`` for the message). The same holds for a different
-``cu_seqlens`` on one rank (its bounds are hashed into the word).
+``cu_seqlens`` on one rank (its bounds are hashed into the word, through the digest
+its plan computed once); a batch plan (:meth:`SequenceParallel.plan_batch`) compares
+the ranks' offsets when it is built.
 
 Where no all-gather reaches every rank (ring and tree exchange only point-to-point
 messages: a rank's carry holds only the earlier pieces), auto repeats the full check
 on a schedule every rank shares, every ``RECHECK_EVERY``-th call of each kind; a
 change on one rank in between is not caught (it may block in a collective): use
-``check="always"`` there. A contiguous layout without a batch plan runs the full check
-on every call: it must learn the other ranks' local lengths anyway. Also not covered
+``check="always"`` there. A contiguous layout without a batch plan
+(:meth:`SequenceParallel.plan_batch`) runs the full check on every call: it must
+learn the other ranks' local lengths anyway. Also not covered
 after a kind's first call under auto: a rank that
 changes what sets the first collective's size (B, heads, head dims, dtype,
 ``normalize``) or calls another operator kind than the others; and a problem of the
@@ -58,11 +61,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from hla_sp.ops.sharding import BatchPlan
 from hla_sp.ops.validate import Inputs
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 from hla_sp.parallel.agreement import disagreements, gather_rows, metadata_row, named_options
+from hla_sp.parallel.batch import plan_batch
 from hla_sp.parallel.layouts import LAYOUTS, layout_pieces
 from hla_sp.parallel.plan import METHODS, Chain, Plan
 from hla_sp.parallel.primitive import sp_primitive
@@ -199,11 +204,13 @@ class SequenceParallel:
         """
         group = self._group()
         rank, P = dist.get_rank(group), dist.get_world_size(group)
-        cu = inputs.cu_seqlens
-        bounds = None if cu is None else tuple(int(c) for c in cu.tolist())
+        docs = inputs.plan  # the documents as Python ints (converted once, by their plan)
+        bounds = None if docs is None else docs.bounds
+        batch = self._batch_plan(docs, group, rank, P)
         named = named_options(options)
         foldable = op.startswith(HALO_OPS) or self.method == "allgather"
-        known = self.layout == "zigzag" or P == 1  # every rank's length follows from mine
+        # Every rank's length follows from mine, or the batch plan gathered them.
+        known = self.layout == "zigzag" or P == 1 or batch is not None
         calls = self._calls[op] = self._calls.get(op, -1) + 1  # the same count on every rank
         full = (self.check == "always"
                 or (self.check == "auto" and (op not in self._agreed or (
@@ -214,14 +221,14 @@ class SequenceParallel:
             if self.check == "auto":
                 self._agreed.add(op)
         else:
-            lengths = (inputs.T,) * P
+            lengths = (inputs.T,) * P if batch is None else batch.lengths
             problems = self._call_problems(lengths, bounds)
             if problems:  # this rank's own shard: every rank with the same shard raises
                 raise ValueError("SequenceParallel: " + "; ".join(problems))
         signature = None  # a fully checked call needs none (every rank checked it)
         if self.check == "auto" and foldable and P > 1 and not full:
-            signature = call_signature(inputs, op, named, bounds, lengths, self.layout,
-                                       self.method)
+            signature = call_signature(inputs, op, named, 0 if docs is None else docs.digest,
+                                       lengths, self.layout, self.method)
         needs_grad = torch.is_grad_enabled()
         token = torch.zeros((), dtype=torch.float32, requires_grad=needs_grad)
 
@@ -230,10 +237,39 @@ class SequenceParallel:
 
         return SignedPlan(
             rank=rank, world_size=P, group=group, method=self.method, overlap=self.overlap,
-            lengths=lengths, pieces=tuple(layout_pieces(self.layout, list(lengths))),
+            lengths=lengths, pieces=batch.pieces if batch is not None and lengths == batch.lengths
+            else tuple(layout_pieces(self.layout, list(lengths))),
             T=sum(lengths), bounds=bounds, needs_grad=needs_grad, chain=Chain(token),
             signature=signature, recheck=recheck,
         )
+
+    def plan_batch(self, T_local: int, cu_seqlens: torch.Tensor | None = None) -> BatchPlan:
+        """The plan of one batch, for every layer and stage of it (``plan=``).
+
+        Args:
+            T_local: this rank's tokens (its shard's length).
+            cu_seqlens: the batch's GLOBAL document offsets [N + 1] (B == 1), the same
+                on every rank, or None.
+
+        Returns a :class:`~hla_sp.ops.sharding.BatchPlan` with the offsets, every rank's
+        length and the layout's pieces as Python ints; it costs at most one all-gather
+        and one host read (:mod:`hla_sp.parallel.batch`), and every rank must build it.
+        """
+        return plan_batch(self, T_local, cu_seqlens)
+
+    def _batch_plan(self, docs: BatchPlan | None, group: dist.ProcessGroup, rank: int,
+                    P: int) -> BatchPlan | None:
+        """The call's plan if :meth:`plan_batch` built it (every rank's length known),
+        after checking that it was built for this group and layout."""
+        if docs is None or docs.group is None:  # offsets only (planned by the call)
+            return None
+        if (docs.group is not group or docs.layout != self.layout or docs.rank != rank
+                or len(docs.lengths) != P):
+            raise ValueError(
+                f"plan: expected a plan of this SequenceParallel (layout {self.layout!r}, "
+                f"rank {rank} of {P}), got one built for layout {docs.layout!r}, rank "
+                f"{docs.rank} of {len(docs.lengths)} (another group or SequenceParallel?)")
+        return docs
 
     def _full_check(
         self, inputs: Inputs, op: str, named: list[tuple[str, object]],
@@ -286,7 +322,7 @@ class SequenceParallel:
         v: torch.Tensor,
         g: torch.Tensor | None,
         *,
-        cu_seqlens: torch.Tensor | None,
+        cu_seqlens: torch.Tensor | BatchPlan | tuple[int, ...] | None,
         h0: torch.Tensor | None,
         want_final: bool,
         chunk_size: int,
@@ -303,7 +339,8 @@ class SequenceParallel:
             )
         # A cheap guard (the offsets were converted once, by check_call): a plan of
         # another call would fold the wrong pieces.
-        if plan.lengths[plan.rank] != q.shape[1] or (plan.bounds is None) != (cu_seqlens is None):
+        given = cu_seqlens.bounds if isinstance(cu_seqlens, BatchPlan) else cu_seqlens
+        if plan.lengths[plan.rank] != q.shape[1] or (plan.bounds is None) != (given is None):
             raise RuntimeError(
                 f"SequenceParallel: no checked call matches this shard (local T = "
                 f"{q.shape[1]}): the plan was made for local T = {plan.lengths[plan.rank]}"

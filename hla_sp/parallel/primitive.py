@@ -304,7 +304,7 @@ def _zero_state_outputs(call: _Call, has_h0: bool, chunk_size: int) -> list[Tens
             continue
         local_cu = None
         if len(sg) > 1:
-            local_cu = torch.tensor([sg[0].begin] + [x.end for x in sg], dtype=torch.int64)
+            local_cu = (sg[0].begin, *(x.end for x in sg))  # Python ints: no host read
         local_h0 = None
         if has_h0:
             zero = qp.new_zeros(B, H, K, V)

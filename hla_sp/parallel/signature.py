@@ -51,17 +51,18 @@ _SIG_MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # an odd int64 multiplier
 
 def call_signature(
     inputs: Inputs, op: str, named: list[tuple[str, object]],
-    bounds: tuple[int, ...] | None, lengths: tuple[int, ...], layout: str, method: str,
+    bounds_digest: int, lengths: tuple[int, ...], layout: str, method: str,
 ) -> torch.Tensor:
     """The call's 63-bit signature, int64 0-d on q's device, with no host read: the
     facts known on the host hashed into a Python int, then the device digests of the
     tensor values (a per-head log_decay, tensor options) and the log_decay sign bit
     mixed in on the device. It covers what the full check compares, plus the agreed
-    lengths (every rank must use the same)."""
+    lengths (every rank must use the same). The document offsets enter as the digest
+    their plan computed once (``BatchPlan.digest``; 0 without offsets)."""
     kind, constant = _decay_kind(inputs.g)
     host: list[object] = [
         op, inputs.B, inputs.H, inputs.K, inputs.V, str(inputs.q.dtype), layout,
-        method, inputs.scale, kind, bounds, torch.is_grad_enabled(), lengths,
+        method, inputs.scale, kind, bounds_digest, torch.is_grad_enabled(), lengths,
     ]
     tensors: list[torch.Tensor | None] = [constant]
     for name, value in named:
