@@ -165,6 +165,10 @@ def test_real_pretrain_018_provider_api_cp2_equals_cp1():
     assert close(cp2, cp1), (cp1, cp2)
 
 
+# TP = 2 x CP = 2 through our core attention is checked on megatron-core itself in
+# tests/test_megatron_cp.py::test_tp2_cp2_matches_tp1_cp1; through Megatron's own
+# pretrain() (4 ranks, about 60 s) it is slow.
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_real_pretrain_tp2_cp2_equals_tp1_cp1():
     """4 gloo ranks: TP = 2 x CP = 2. The batch is broadcast over the TP group and split
