@@ -17,6 +17,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# The GPU benchmark's dry run under the interpreter (about 45 s); the benchmark itself
+# runs on the GPU machine in benchmarks/gpu_check.sh.
+@pytest.mark.slow
 def test_bench_gpu_dry_run(tmp_path: Path) -> None:
     if torch.cuda.is_available():
         import pytest
