@@ -35,3 +35,16 @@ def num_threads(request: pytest.FixtureRequest) -> Iterator[int]:
         yield request.param
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.fixture
+def group(tmp_path) -> Iterator[None]:
+    """A one-rank gloo group in this process (file:// rendezvous, no port)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0,
+                            world_size=1)  # fmt: skip
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -4,27 +4,14 @@ writes, a truncated tensor file, and the first format (one file per TP rank) rea
 from __future__ import annotations
 
 import errno
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from hla_sp.launch import checkpoint
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-
-@pytest.fixture
-def group(tmp_path: Path) -> Iterator[None]:
-    """A one-rank gloo group (file:// rendezvous, no port)."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0,
-                            world_size=1)  # fmt: skip
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _parts(seed: int = 0, steps: int = 0) -> dict:

@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -136,15 +135,6 @@ def test_intact_dataset_passes(dataset: Path) -> None:
 
 # --- checkpoints ------------------------------------------------------------------
 
-
-@pytest.fixture
-def group(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0,
-                            world_size=1)  # fmt: skip
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _parts() -> dict:

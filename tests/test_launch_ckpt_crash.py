@@ -10,13 +10,11 @@ import builtins
 import json
 import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from hla_sp.launch import checkpoint, faults
 from hla_sp.launch.config import ConfigError, parse_args, validate
 from hla_sp.launch.local import run_local
@@ -26,16 +24,6 @@ TINY = [
     "--seq-length", "32", "--lr", "3e-3", "--seed", "7",
 ]  # fmt: skip
 
-
-@pytest.fixture
-def group(tmp_path: Path) -> Iterator[None]:
-    """A one-rank gloo group (file:// rendezvous, no port)."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0,
-                            world_size=1)  # fmt: skip
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _parts(fill: float = 0.0) -> dict:
