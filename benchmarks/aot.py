@@ -11,7 +11,9 @@ H100/H200 (sm_90a) and A100 (sm_80) without a GPU.
    metadata the shared memory. Results are cached under ``.aot-cache/`` (gitignored)
    by a hash of the kernels' source, the triton version, the configuration and arch.
 3. **Gate.** :func:`failures` lists compile errors, shared memory over the arch's
-   limit, kernels never launched, and spills in a default-path configuration.
+   limit, kernels never launched, and spills in a default-path configuration (the
+   opt-in sequential fused hla2: over its limit; ``benchmarks/aot_sequential.py``
+   measures every configuration of it, for the table of those its launcher refuses).
 
 ``UPCAST`` is forced to False: it is the interpreter's bf16 emulation, never set on a
 GPU. ``python benchmarks/aot.py`` (``make gpu-aot``) writes ``benchmarks/results/aot.json``
@@ -60,11 +62,10 @@ def cases(full: bool = True) -> list[Case]:
     layer's powers of two; tiles clamp to [16, 64]), K = V (32, 128; tiles cap at 64,
     so 128 stands for 64 too) and the input variants (no decay; per-token decay; per-
     head decay; per-token decay with varlen documents and initial/final states;
-    decode: T = 1 with states). ``full=False`` (the test suite's share, about 1.5
-    minutes cold on two cores) keeps the layer's default chunk (64, which each dtype's
-    tiling caps), both widths and two variants: per-token decay, and every flag on
-    (decay, documents, states). The widths matter: the last spills the full matrix
-    found were at K = V = 32.
+    decode: T = 1 with states); the sequential calls its launcher refuses launch nothing.
+    ``full=False`` (the test suite's share, about 1.5 minutes cold on two cores) keeps
+    the default chunk (64, which each dtype's tiling caps), both widths and two
+    variants: per-token decay, and every flag on (decay, documents, states).
     """
     ops = ["linear_attention", "hla2", "ahla", "hla3", "hla2_fused:chunked",
            "hla2_fused:sequential"]
@@ -78,8 +79,6 @@ def cases(full: bool = True) -> list[Case]:
     for op, dt, chunk, d, var in itertools.product(ops, dtypes, chunks, dims, variants):
         if var == "decode" and chunk != 64:
             continue  # T = 1 caps every chunk size at the same tile
-        if op == "hla2_fused:sequential" and dt in ("fp32", "tf32") and d > 64:
-            continue  # refused before launch (over the shared-memory limit)
         out.append(dict(op=op, dtype=dt, chunk=chunk, dim=d, variant=var))
     return out
 
@@ -87,6 +86,7 @@ def cases(full: bool = True) -> list[Case]:
 def _call(case: Case) -> None:
     """Run one public call forward and backward (under capture: nothing computes)."""
     import torch
+    from hla_sp.kernels.hla2_fused import sequential_refusal as refusal
 
     import hla_sp
     from hla_sp.ops import hla2_fused
@@ -110,6 +110,9 @@ def _call(case: Case) -> None:
     if var == "varlen_states":
         kw["cu_seqlens"] = torch.tensor([0, T // 2, T])
     op, _, mode = case["op"].partition(":")
+    if mode == "sequential" and refusal(dt, d, d, var != "plain", var == "varlen_states",
+                                        var == "decode"):
+        return  # refused before any launch (K, shared memory, or spills over the limit)
     # hla2_fused refuses states with cu_seqlens: its varlen case runs without them
     states = var == "decode" or (var == "varlen_states" and op != "hla2_fused")
     n_docs = 2 if var == "varlen_states" else B
@@ -152,9 +155,7 @@ def capture(full: bool = True) -> tuple[list[dict[str, Any]], list[str]]:
             with _jit.capture() as launched:
                 _call(case)
             for job in launched:
-                job["constexprs"]["UPCAST"] = False if "UPCAST" in job["constexprs"] else None
-                if job["constexprs"]["UPCAST"] is None:
-                    del job["constexprs"]["UPCAST"]
+                _for_gpu(job)
                 key = json.dumps({k: job[k] for k in sorted(job)}, sort_keys=True)
                 entry = configs.setdefault(key, dict(job, used_by=[]))
                 tag = f"{case['op']}/{case['dtype']}/c{case['chunk']}/d{case['dim']}/" \
@@ -170,6 +171,17 @@ def capture(full: bool = True) -> tuple[list[dict[str, Any]], list[str]]:
             else:
                 os.environ[n] = val
     return list(configs.values()), sorted(_jit.KERNELS)
+
+
+def _for_gpu(job: dict[str, Any]) -> None:
+    """In place: ``UPCAST`` (the interpreter's bf16 emulation) off, as on a GPU."""
+    if "UPCAST" in job["constexprs"]:
+        job["constexprs"]["UPCAST"] = False
+
+
+def spill_bytes(row: dict[str, Any]) -> int:
+    """A row's spill per thread: the larger of ptxas's spill stores and spill loads."""
+    return max(row["spill_stores"], row["spill_loads"])
 
 
 def _default_path(case: Case) -> bool:
@@ -293,6 +305,7 @@ def _describe(c: dict[str, Any]) -> dict[str, Any]:
 
 def failures(rows: list[dict], kernels: list[str]) -> list[str]:
     """Everything the gate refuses, one line each."""
+    from hla_sp.kernels.hla2_fused import SPILL_LIMIT  # the opt-in sequential kernel's
     bad = []
     launched = {r["kernel"] for r in rows}
     for name in kernels:
@@ -306,7 +319,9 @@ def failures(rows: list[dict], kernels: list[str]) -> list[str]:
             continue
         if r["shared"] > SHARED_LIMIT[r["arch"]]:
             bad.append(f"{where}: shared memory {r['shared']} B > {SHARED_LIMIT[r['arch']]} B")
-        if r["default"] and (r["spill_stores"] or r["spill_loads"]):
+        if (r["spill_stores"] or r["spill_loads"]) and (
+            r["default"] or spill_bytes(r) > SPILL_LIMIT
+        ):
             bad.append(f"{where}: spills {r['spill_stores']} B stored, "
                        f"{r['spill_loads']} B loaded")
     return bad

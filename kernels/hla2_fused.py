@@ -13,7 +13,9 @@ Two forms, both keeping k~ out of global memory in the forward:
 
 - ``mode="sequential"`` (:func:`fused_hla2_fwd_kernel`): one program per (batch,
   head, V block) walks the chunks in order with S and H on chip: one pass, no state
-  buffers, but only B*H*ceil(V/BV) programs and a K x K fp32 state per program.
+  buffers, but only B*H*ceil(V/BV) programs and a K x K fp32 state per program. Its
+  chunk is 16 tokens; the configurations measured ahead of time to spill more than
+  1 KiB per thread are refused (:func:`sequential_refusal`).
 - ``mode="chunked"`` (the default): chunk-parallel like the primitive. S_in comes
   from the primitive's state kernels (values = k); :func:`hla2_state_kernel`
   rebuilds k~ per chunk and writes only the chunk's stage-2 state; the state passing
@@ -54,6 +56,126 @@ MAX_FUSED_K = 128  # the sequential program holds a K x K fp32 state
 # at K = 128 it asks for 246,272 B (IEEE) or 295,424 B (TF32), over every arch's limit
 MAX_FUSED_K_FP32 = 64
 MODES = ("chunked", "sequential")
+
+# --------------------------------------------------------------------------- sequential
+
+SPILL_LIMIT = 1024  # bytes per thread the sequential kernel may spill, on sm_80 or sm_90a
+# Its own chunk, whatever the chunk_size (the result does not depend on it up to
+# rounding): the [BT, BK] tiles of a chunk sit beside the K x K state, and 32-token
+# chunks spilled 14 KB per thread at K = 128 on sm_80 (bf16, decay, documents), 16-token
+# ones 0.5 KB (benchmarks/aot.py)
+SEQUENTIAL_BT = 16
+SEQUENTIAL_BV = 32  # the V tile's cap (tile_width also caps it by BLOCK_CAP)
+
+# (inputs, BK, BV, decay, documents, states) -> {arch: bytes spilled per thread (the
+# larger of ptxas's spill stores and loads)}: configurations of the sequential kernel
+# measured ahead of time for sm_80 and sm_90a by `python benchmarks/aot_sequential.py`,
+# which prints this table (tests/test_aot.py checks that it is current). Inputs: "fp32"
+# (IEEE dots), "tf32", "bf16", "fp16". The launcher refuses those over SPILL_LIMIT on
+# either arch; `--all` measures the configurations not listed yet.
+SequentialKey = tuple[str, int, int, bool, bool, bool]
+SEQUENTIAL_MEASURED: dict[SequentialKey, dict[str, int]] = {
+    ("bf16", 128, 32, False, False, False): {"sm_80": 248, "sm_90a": 28},
+    ("bf16", 128, 32, True, False, False): {"sm_80": 532, "sm_90a": 72},
+    ("bf16", 128, 32, True, False, True): {"sm_80": 1212, "sm_90a": 608},  # refused
+    ("bf16", 128, 32, True, True, False): {"sm_80": 540, "sm_90a": 88},
+    ("fp16", 128, 32, False, False, False): {"sm_80": 192, "sm_90a": 28},
+    ("fp16", 128, 32, True, False, True): {"sm_80": 1172, "sm_90a": 608},  # refused
+    ("fp32", 32, 32, True, False, False): {"sm_80": 8, "sm_90a": 92},
+    ("fp32", 32, 32, True, True, False): {"sm_80": 16, "sm_90a": 72},
+    ("fp32", 64, 32, True, False, True): {"sm_80": 216, "sm_90a": 276},
+    ("fp32", 64, 32, True, True, False): {"sm_80": 56, "sm_90a": 88},
+    ("tf32", 64, 32, True, True, False): {"sm_80": 60, "sm_90a": 0},
+}
+
+
+def sequential_tiles(K: int, V: int) -> tuple[int, int, int, int, int]:
+    """(BT, BK, BV, num_warps, num_stages) of the sequential kernel for K and V.
+
+    BK covers all of K (the program holds the whole K x K state); BV is the primitive's
+    V tile. A program holds S [BK, BK] and H [BK, BV] in fp32: from BK = 64, 8 warps
+    and one pipeline stage (measured: IEEE fp32 at BK = 64 with 4 warps fell to 32
+    registers and 8.9 KB of spills, 56 B with 8; at BK = 128, 16 warps let ptxas fall
+    to 32-64 registers with 4-7 KB of spills on sm_80; 1 and 2 stages spill alike).
+    """
+    BK = max(16, triton.next_power_of_2(K))
+    wide = BK >= 64
+    return SEQUENTIAL_BT, BK, tile_width(V, SEQUENTIAL_BV), 8 if wide else 4, 1 if wide else 3
+
+
+def sequential_key(
+    dtype: torch.dtype, K: int, V: int, decay: bool, documents: bool, states: bool
+) -> SequentialKey:
+    """The key of :data:`SEQUENTIAL_MEASURED` for one call: what picks the kernel."""
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    name = names.get(dtype, str(dtype))
+    if dot_precision(dtype) == "tf32":
+        name = "tf32"
+    _, BK, BV, _, _ = sequential_tiles(K, V)
+    return (name, BK, BV, bool(decay), bool(documents), bool(states))
+
+
+def sequential_refusal(
+    dtype: torch.dtype, K: int, V: int, decay: bool, documents: bool, states: bool
+) -> str | None:
+    """Why the sequential kernel refuses a call (K, shared memory, spills), or None.
+
+    Args: the inputs' dtype, K and V as the kernel sees them (V + 1 with ``normalize``:
+    the denominator's column), and whether a decay, documents (``cu_seqlens``) and
+    initial states are given. Decided without a GPU, from :data:`SEQUENTIAL_MEASURED`.
+    """
+    head = "hla2_fused(mode=\"sequential\")"
+    if K > MAX_FUSED_K:
+        return f"{head}: expected K <= {MAX_FUSED_K}, got K = {K}; use mode=\"chunked\""
+    key = sequential_key(dtype, K, V, decay, documents, states)
+    name, BK = key[0], key[1]
+    if BK > MAX_FUSED_K_FP32 and dtype == torch.float32:
+        return (
+            f"{head}: fp32 inputs need K <= {MAX_FUSED_K_FP32}, got K = {K}: the {BK} x {BK} "
+            "state tiles ask for more shared memory than a block may use (246 KB IEEE, "
+            "295 KB TF32; sm_90 allows 227 KB, sm_80 163 KB). Use mode=\"chunked\" (the "
+            "default), or bf16/fp16 inputs."
+        )
+    spills = SEQUENTIAL_MEASURED.get(key, {})
+    if max(spills.values(), default=0) <= SPILL_LIMIT:
+        return None
+    where = ", ".join(f"{b} B on {arch}" for arch, b in sorted(spills.items()))
+    return (
+        f"{head}: {name} inputs with K = {K}, V = {V}, decay={key[3]}, documents={key[4]}, "
+        f"initial states={key[5]}: its kernel would spill {where} per thread, over the "
+        f"{SPILL_LIMIT} B limit (measured ahead of time for sm_80 and sm_90a by "
+        "benchmarks/aot_sequential.py); use mode=\"chunked\" (the default)."
+    )
+
+
+def launch_sequential(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None,
+    resets: torch.Tensor | None,
+    S0: torch.Tensor | None,
+    H0: torch.Tensor | None,
+    ridge: float,
+    o: torch.Tensor,
+    flags: dict[str, object],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run :func:`fused_hla2_fwd_kernel` into o [B, T, H, V]; returns o, S_T, H_T (fp32).
+
+    Inputs prepared, as for :func:`fused_hla2_fwd`; no refusal here (the AOT gate
+    captures every configuration through this function, refused ones included).
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    BT, BK, BV, num_warps, num_stages = sequential_tiles(K, V)
+    S_T = torch.empty(B, H, K, K, dtype=torch.float32, device=q.device)
+    H_T = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device)
+    fused_hla2_fwd_kernel[(triton.cdiv(V, BV), B * H)](
+        q, k, v, g, resets, S0, H0, o, S_T, H_T, float(ridge), T, H, K, V,
+        triton.cdiv(T, BT), BT=BT, BK=BK, BV=BV, HAS_S0=S0 is not None,
+        HAS_H0=H0 is not None, **flags, num_warps=num_warps, num_stages=num_stages,
+    )
+    return o, S_T, H_T
 
 
 def fused_hla2_fwd(
@@ -98,26 +220,12 @@ def fused_hla2_fwd(
         return o, S_T, H_T
     if mode != "sequential":
         raise ValueError(f"fused hla2: mode must be one of {MODES}, got {mode!r}")
-    if K > MAX_FUSED_K:
-        raise ValueError(f"fused hla2 (sequential): expected K <= {MAX_FUSED_K}, got K = {K}")
-    BK = max(16, triton.next_power_of_2(K))
-    if BK > MAX_FUSED_K_FP32 and q.dtype == torch.float32:
-        raise ValueError(
-            f"fused hla2 (sequential): fp32 inputs need K <= {MAX_FUSED_K_FP32}, got K = {K}: "
-            f"the {BK} x {BK} state tiles ask for more shared memory than a block may use "
-            "(246 KB IEEE, 295 KB TF32; sm_90 allows 227 KB, sm_80 163 KB). Use "
-            'mode="chunked", or bf16/fp16 inputs.'
-        )
-    BV = tile_width(V, tl_.block)
-    S_T = torch.empty(B, H, K, K, dtype=torch.float32, device=q.device)
-    H_T = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device)
-    fused_hla2_fwd_kernel[(triton.cdiv(V, BV), B * H)](
-        q, k, v, g, resets, S0, H0, o, S_T, H_T, float(ridge), T, H, K, V, N,
-        BT=BT, BK=BK, BV=BV, HAS_S0=S0 is not None, HAS_H0=H0 is not None, **flags,
-        # a program holds S (K x K) and H (K x BV) in fp32: more warps, fewer spills
-        num_warps=8 if BK > 64 else 4,
-    )
-    return o, S_T, H_T
+    refusal = sequential_refusal(q.dtype, K, V, decay=g is not None,
+                                 documents=resets is not None,
+                                 states=S0 is not None or H0 is not None)
+    if refusal is not None:
+        raise ValueError(refusal)
+    return launch_sequential(q, k, v, g, resets, S0, H0, ridge, o, flags)
 
 
 def fused_hla2_bwd(

@@ -1,7 +1,9 @@
 """The ahead-of-time gate (``benchmarks/aot.py``): every kernel configuration the public
 API launches compiles for sm_90a and sm_80, fits in shared memory, and spills nothing
 on a default path. No GPU is needed: Triton compiles for a target without a driver,
-and the wheel's ``ptxas -v`` reports registers and spills.
+and the wheel's ``ptxas -v`` reports registers and spills. The opt-in sequential fused
+hla2 may spill up to its limit; its launcher refuses the configurations measured over it
+(``benchmarks/aot_sequential.py``, checked current here).
 
 The suite's matrix (:func:`aot.cases` with ``full=False``: every operator and dtype,
 the default chunk, K = V = 32 and 128, per-token decay and every flag on) runs here;
@@ -20,6 +22,7 @@ import pytest
 pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import aot
+import aot_sequential
 
 
 def _row(**kw: object) -> dict:
@@ -40,6 +43,7 @@ def test_gate_refuses_what_it_should() -> None:
     assert aot.failures([_row(arch="sm_90a", shared=aot.SHARED_LIMIT["sm_80"] + 1)], ["k"]) == []
     assert "spills" in aot.failures([_row(spill_loads=4)], ["k"])[0]
     assert aot.failures([_row(spill_loads=4, default=False)], ["k"]) == []  # opt-in path
+    assert "spills" in aot.failures([_row(spill_stores=1025, default=False)], ["k"])[0]
 
 
 # From a cold cache (a fresh clone, as CI has) the suite's matrix compiles in about 1.5
@@ -50,3 +54,17 @@ def test_aot_gate() -> None:
     rows, bad, n_configs = aot.run(full=False)
     assert n_configs >= 30 and len(rows) == 2 * n_configs
     assert not bad, "\n".join(bad)
+
+
+# Cold, each listed configuration compiles for both archs (BK = 128 takes 10-20 s a
+# compile on two idle cores): over two minutes for the table, so marked slow.
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_sequential_table_is_current() -> None:
+    """The sequential kernel's measured spills (what its launcher refuses from) are what
+    the ahead-of-time compile of the current kernel gives."""
+    from hla_sp.kernels.hla2_fused import SEQUENTIAL_MEASURED
+
+    table, rows = aot_sequential.measure(set(SEQUENTIAL_MEASURED))
+    assert len(rows) == 2 * len(SEQUENTIAL_MEASURED)
+    assert table == SEQUENTIAL_MEASURED

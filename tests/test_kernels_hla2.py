@@ -230,3 +230,43 @@ def test_fused_hla2_needs_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     q = torch.randn(1, 4, H, K)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         hla2_fused(q, q, q)
+
+
+def test_fused_hla2_sequential_refuses_spilling_configurations(kernels: ModuleType) -> None:
+    """Each configuration of the sequential kernel measured ahead of time to spill more
+    than the limit per thread (``SEQUENTIAL_MEASURED``) is refused at the entry point,
+    before any launch, naming the inputs, the arch and the default mode."""
+    from hla_sp.kernels.hla2_fused import SEQUENTIAL_MEASURED, SPILL_LIMIT
+
+    refused = [k for k, v in SEQUENTIAL_MEASURED.items() if max(v.values()) > SPILL_LIMIT]
+    assert refused, "the table lists no refused configuration"
+    dtypes = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
+              "fp16": torch.float16}
+    before_prec = torch.get_float32_matmul_precision()
+    try:
+        for name, BK, BV, decay, docs, states in refused:
+            torch.set_float32_matmul_precision("high" if name == "tf32" else "highest")
+            T, Hh = 5, 1
+            q = torch.randn(1, T, Hh, BK, device=DEVICE).to(dtypes[name])
+            v = torch.randn(1, T, Hh, BV, device=DEVICE).to(dtypes[name])
+            kw: dict = {"mode": "sequential"}
+            if decay:
+                kw["log_decay"] = -torch.rand(1, T, Hh, device=DEVICE)
+            if docs:
+                kw["cu_seqlens"] = torch.tensor([0, 2, T], device=DEVICE)
+            if states:
+                kw["initial_state"] = hla_sp.HLA2State(
+                    torch.zeros(1, Hh, BK, BK, device=DEVICE),
+                    torch.zeros(1, Hh, BK, BV, device=DEVICE))
+            launches = dict(kernels.LAUNCHES)
+            with pytest.raises(ValueError) as err:
+                hla2_fused(q, q, v, **kw)
+            msg = str(err.value)
+            for part in (f"{name} inputs", f"K = {BK}", f"V = {BV}", f"documents={docs}",
+                         "per thread", 'mode="chunked"'):
+                assert part in msg, (part, msg)
+            assert any(arch in msg for arch in SEQUENTIAL_MEASURED[(name, BK, BV, decay, docs,
+                                                                     states)])
+            assert dict(kernels.LAUNCHES) == launches  # nothing ran
+    finally:
+        torch.set_float32_matmul_precision(before_prec)

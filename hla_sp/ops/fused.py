@@ -172,6 +172,15 @@ def hla2_fused(
     if reason is not None:
         raise RuntimeError(f"hla2_fused needs the Triton kernels, but {reason}")
     normalize = validate.check_bool("normalize", normalize)
+    if mode == "sequential":  # refused before any work, from the ahead-of-time table
+        from hla_sp.kernels.hla2_fused import sequential_refusal
+
+        refusal = sequential_refusal(  # normalize appends the denominator's column to v
+            x.q.dtype, x.K, x.V + int(normalize), decay=x.g is not None,
+            documents=x.cu_seqlens is not None, states=initial_state is not None,
+        )
+        if refusal is not None:
+            raise ValueError(refusal)
     fields = state_fields("hla2", x.n_seq, x.H, x.H, x.K, x.V, normalize)
     S0, H0, eta0 = _unpack_state(initial_state, fields, x.q)
     resets = None
