@@ -164,7 +164,7 @@ def linear_attention(
     plan = None
     if sp is not None:
         # output_final_state decides whether the final state is all-reduced: agree on it.
-        plan = sp.check_call(inputs, op="linear_attention", options=dict(
+        plan = sp.check_call(inputs, op="linear", options=dict(
             output_final_state=output_final_state, initial_state=h0))
     return primitive(
         inputs.q * inputs.scale,
