@@ -2,9 +2,11 @@
 
 Torch-free on purpose: flag parsers (Megatron's ``--hla-*`` flags, the trainer's) read
 it without paying for a torch import. The choices are ``Literal`` types, the tuples
-(:data:`OPERATORS`, :data:`DECAYS`, :data:`SP_METHODS`) are derived from them, and
-the command-line flags are generated from the fields (:meth:`HLAConfig.add_flags`).
-The layer takes :meth:`HLAConfig.heads_kwargs`.
+(:data:`DECAYS`, :data:`SP_METHODS`) are derived from them, and the command-line flags
+are generated from the fields (:meth:`HLAConfig.add_flags`). The operators' names and
+the options only some of them take come from :data:`BUILTIN_OPERATORS`, this module's
+copy of what the operator table (``hla_sp.ops.operators``) says. The layer takes
+:meth:`HLAConfig.heads_kwargs`.
 """
 
 from __future__ import annotations
@@ -13,24 +15,77 @@ import argparse
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
-Operator = Literal["hla2", "ahla", "hla3", "linear"]
+
+class OperatorFacts(NamedTuple):
+    """What the torch-free readers need of an operator: the options only it takes
+    (the other operators must leave them at their defaults) and whether Megatron's
+    core-attention slot takes it (``linear`` is the layer's first-order baseline)."""
+
+    options: tuple[str, ...] = ()
+    higher_order: bool = True
+
+
+# The built-in operators. The operator table (hla_sp.ops.operators, which needs torch)
+# holds everything about them and fails at import unless its entries say the same as
+# this copy; it is here because this module is the lowest layer and torch-free. An
+# operator registered on the table at run time is added to _REGISTERED below.
+BUILTIN_OPERATORS: dict[str, OperatorFacts] = {
+    "hla2": OperatorFacts(("normalize", "eps", "ridge")),
+    "ahla": OperatorFacts(),
+    "hla3": OperatorFacts(),
+    "linear": OperatorFacts(higher_order=False),
+}
+_REGISTERED: dict[str, OperatorFacts] = {}
+
+Operator = str  # a name of operator_names()
 Decay = Literal["none", "fixed", "learned", "data"]
 # The exchange methods' names, the one list of them. Their functions (forward start,
 # reverse start) are registered under these names in ``hla_sp.parallel.exchange``'s
 # table, which fails at import unless its names are exactly these: the names live here
-# because this module is the lowest layer and torch-free (flag parsers read it), and
-# the table needs torch. SequenceParallel, Plan and the flags' choices derive from here.
+# because this module is the lowest layer and torch-free, and the table needs torch.
+# SequenceParallel, Plan and the flags' choices derive from here.
 SPMethod = Literal["allgather", "ring", "tree"]
 Precision = Literal["auto", "exact", "fast"]
 
-OPERATORS: tuple[str, ...] = get_args(Operator)
+OPERATORS: tuple[str, ...] = tuple(BUILTIN_OPERATORS)
 DECAYS: tuple[str, ...] = get_args(Decay)
 SP_METHODS: tuple[str, ...] = get_args(SPMethod)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
-# The operators Megatron's core-attention slot takes ("linear" is the layer's baseline).
-HLA_OPERATORS: tuple[str, ...] = ("hla2", "ahla", "hla3")
+# The operators Megatron's core-attention slot takes.
+HLA_OPERATORS: tuple[str, ...] = tuple(n for n, f in BUILTIN_OPERATORS.items() if f.higher_order)
+
+
+def operator_facts() -> dict[str, OperatorFacts]:
+    """Every operator's facts: the built-in ones, then those registered at run time."""
+    return {**BUILTIN_OPERATORS, **_REGISTERED}
+
+
+def operator_names() -> tuple[str, ...]:
+    """The names :class:`HLAConfig` accepts as ``operator``."""
+    return tuple(operator_facts())
+
+
+def add_operator(name: str, facts: OperatorFacts) -> None:
+    """Accept ``name`` as an operator (called by the operator table's ``register``)."""
+    if not isinstance(name, str) or not name or name in operator_facts():
+        raise ValueError(f"name: expected a new operator name, got {name!r} "
+                         f"(taken: {operator_names()})")
+    own = {f.name for f in dataclasses.fields(HLAConfig)}
+    unknown = [o for o in facts.options if o not in own]
+    if unknown:
+        raise ValueError(f"options: expected HLAConfig fields, got {unknown}")
+    _REGISTERED[name] = facts
+
+
+def remove_operator(name: str) -> None:
+    """Undo :func:`add_operator` (built-in operators stay)."""
+    if name not in _REGISTERED:
+        raise ValueError(f"name: expected a registered operator {tuple(_REGISTERED)}, "
+                         f"got {name!r}")
+    del _REGISTERED[name]
+
 
 # The layer's keyword arguments (HLAHeads / HLAttention), in their order.
 _HEADS_FIELDS = (
@@ -101,7 +156,7 @@ class HLAConfig:
     """Exchange of the segment summaries across a sequence-parallel group."""
 
     def __post_init__(self) -> None:
-        for name, choices in (("operator", OPERATORS), ("decay", DECAYS),
+        for name, choices in (("operator", operator_names()), ("decay", DECAYS),
                               ("sp_method", SP_METHODS), ("precision", PRECISIONS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}: expected one of {choices}, got {getattr(self, name)!r}")
@@ -114,13 +169,15 @@ class HLAConfig:
                 math.isfinite(x) and x >= 0
             ):
                 raise ValueError(f"{name}: expected a finite number >= 0, got {x!r}")
-        # normalize and ridge are options of hla2's data-dependent key alone.
-        if self.normalize and self.operator != "hla2":
-            raise ValueError(f"normalize: only operator 'hla2' has it, got operator "
-                             f"{self.operator!r}")
-        if self.ridge and self.operator != "hla2":
-            raise ValueError(f"ridge: only operator 'hla2' has it, got operator "
-                             f"{self.operator!r}")
+        # An option only some operators take (hla2's normalize, eps, ridge) must keep
+        # its default under the others.
+        facts = operator_facts()
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name in sorted({o for f in facts.values() for o in f.options}):
+            if name not in facts[self.operator].options and getattr(self, name) != defaults[name]:
+                takers = ", ".join(repr(n) for n, f in facts.items() if name in f.options)
+                raise ValueError(f"{name}: only operator {takers} has it, got operator "
+                                 f"{self.operator!r}")
         s = self.scale
         if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float))
                               or not (math.isfinite(s) and s > 0)):

@@ -19,7 +19,7 @@ how the tests exercise them.
 
 from ._jit import LAUNCHES, interpreter_mismatch, interpreting
 from .chunk import chunk_backward, chunk_bwd, chunk_forward, chunk_fwd
-from .hla2_fused import MODES, fused_hla2_backward, fused_hla2_forward
+from .hla2_fused import MODES, fused_hla2_backward, fused_hla2_forward, sequential_refusal
 
 __all__ = [
     "LAUNCHES",
@@ -32,4 +32,5 @@ __all__ = [
     "fused_hla2_forward",
     "interpreter_mismatch",
     "interpreting",
+    "sequential_refusal",
 ]

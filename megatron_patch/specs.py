@@ -4,7 +4,8 @@
   the core attention replaced by :class:`HLACoreAttention`;
 * :func:`get_hla_layer_te_spec`: the same over the Transformer Engine spec;
 * :func:`get_hla_layer_spec`: TE when ``transformer_engine`` imports, else local;
-* module-level specs for Megatron's ``--spec MODULE NAME``:
+* module-level specs for Megatron's ``--spec MODULE NAME``, one ``<operator>_layer_spec``
+  per higher-order operator of the operator table (:mod:`hla_sp.ops.operators`):
   ``--spec hla_sp.megatron_patch.specs hla2_layer_spec`` (also ``ahla_layer_spec``,
   ``hla3_layer_spec``), with the default HLA options.
 
@@ -35,6 +36,7 @@ try:
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from hla_sp.config import HLAConfig
+    from hla_sp.ops.operators import TABLE
 except ImportError as e:  # see the module docstring: never let --spec swallow this
     raise RuntimeError(
         f"hla_sp.megatron_patch.specs could not be imported ({type(e).__name__}: {e}). "
@@ -151,6 +153,14 @@ def get_hla_layer_spec(operator: str = _DEFAULTS.operator, *, use_te: bool | Non
 from hla_sp.megatron_patch.guards import refuse_bypasses_at_spec_import  # noqa: E402
 
 refuse_bypasses_at_spec_import(__name__)
-hla2_layer_spec = get_hla_layer_spec("hla2")
-ahla_layer_spec = get_hla_layer_spec("ahla")
-hla3_layer_spec = get_hla_layer_spec("hla3")
+LAYER_SPECS = tuple(f"{name}_layer_spec" for name, op in TABLE.items() if op.higher_order)
+for _name in LAYER_SPECS:  # hla2_layer_spec, ahla_layer_spec, hla3_layer_spec
+    globals()[_name] = get_hla_layer_spec(_name.removesuffix("_layer_spec"))
+
+
+def __getattr__(name: str) -> ModuleSpec:
+    """``<operator>_layer_spec`` of a higher-order operator registered after import."""
+    op = TABLE.get(name.removesuffix("_layer_spec")) if name.endswith("_layer_spec") else None
+    if op is None or not op.higher_order:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return get_hla_layer_spec(op.name)

@@ -361,7 +361,7 @@ def test_a_crashed_peer_is_reported_first_with_the_real_elapsed_time() -> None:
                     p.kill()
     assert procs[1].exitcode == 3
     assert elapsed < 30, (elapsed, msg)
-    assert msg.startswith("SequenceParallel: the agreement check of this linear_attention "
+    assert msg.startswith("SequenceParallel: the agreement check of this linear "
                           "call failed after "), msg
     shown = float(msg.split("failed after ")[1].split(" s:")[0])
     assert abs(shown - elapsed) < 1.0, (shown, elapsed, msg)

@@ -13,42 +13,18 @@ ahla, hla3) run per query head.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from hla_sp.config import OPERATORS, PRECISIONS
-from hla_sp.ops import validate
-from hla_sp.ops.compositions import (
-    DEFAULT_EPS,
-    STATE_TYPES,
-    ahla,
-    compose,
-    hla2,
-    hla3,
-    state_fields,
-)
-from hla_sp.ops.linear_attention import DEFAULT_CHUNK_SIZE, linear_attention, primitive
+from hla_sp.config import PRECISIONS
+from hla_sp.ops import operators, validate
+from hla_sp.ops.compositions import DEFAULT_EPS, LinearState, StageContext
+from hla_sp.ops.linear_attention import DEFAULT_CHUNK_SIZE, primitive
 from hla_sp.ops.precision import resolve, stage_dtype
 from hla_sp.ops.sharding import SequenceParallelism
 
-
-class LinearState(NamedTuple):
-    """State of ``linear``: h [N, Hkv, K, V] (shared by a GQA group)."""
-
-    h: torch.Tensor
-
-
-ALL_STATE_TYPES: dict[str, type] = {**STATE_TYPES, "linear": LinearState}
-
-
-def state_shapes(
-    operator: str, n: int, hq: int, hkv: int, k: int, v: int, normalize: bool
-) -> dict[str, tuple[int, ...] | None]:
-    """Field -> shape of ``operator``'s state for n sequences (None: absent)."""
-    if operator == "linear":
-        return {"h": (n, hkv, k, v)}
-    return state_fields(operator, n, hq, hkv, k, v, normalize)
+__all__ = ["LinearState", "grouped_operator"]  # LinearState: re-exported by hla_sp.nn
 
 
 def _interleave(x: torch.Tensor, groups: int, *, repeat: bool) -> torch.Tensor:
@@ -140,29 +116,22 @@ def _check_grouped(q: object, k: object, v: object) -> tuple[int, int]:
     return Hq, Hkv
 
 
-def _public(operator: str, q, k, v, kw: dict) -> tuple[torch.Tensor, tuple | None]:
-    """The public operator itself (no groups, no first-order path)."""
-    if operator == "linear":
-        if kw["initial_state"] is not None:
-            kw["initial_state"] = _unpack_linear(kw["initial_state"])
-        for name in ("normalize", "eps", "ridge", "precision"):
-            kw.pop(name)  # one stage: its output is rounded once either way
-        o, h = linear_attention(q, k, v, **kw)
-        return o, (LinearState(h) if h is not None else None)
-    if operator != "hla2":
-        for name in ("normalize", "eps", "ridge"):
-            kw.pop(name)
-    return {"hla2": hla2, "ahla": ahla, "hla3": hla3}[operator](q, k, v, **kw)
-
-
-def _unpack_linear(state: object) -> object:
-    """The ``linear`` state may be given as LinearState(h), a 1-tuple or a bare tensor."""
-    if isinstance(state, (tuple, list)):
+def _public(spec: operators.OperatorSpec, q, k, v, kw: dict, options: dict,
+            precision: str) -> tuple[torch.Tensor, tuple | None]:
+    """The operator's public function itself (no groups, no first-order path)."""
+    kw.update(options)
+    if spec.precision:
+        kw["precision"] = precision
+    if not spec.bare_state:
+        return spec.public(q, k, v, **kw)
+    state = kw["initial_state"]
+    if isinstance(state, (tuple, list)):  # the state type, a 1-tuple, or the bare tensor
         if len(state) != 1:
-            raise ValueError(f"initial_state: expected (h,) for operator 'linear', "
+            raise ValueError(f"initial_state: expected (h,) for operator {spec.name!r}, "
                              f"got a tuple of {len(state)}")
-        return state[0]
-    return state
+        kw["initial_state"] = state[0]
+    o, h = spec.public(q, k, v, **kw)
+    return o, (spec.state_type(h) if h is not None else None)
 
 
 def grouped_operator(
@@ -189,63 +158,60 @@ def grouped_operator(
     """An HLA operator with grouped keys and values (GQA/MQA), exact.
 
     Args:
-        operator: "hla2" | "ahla" | "hla3" | "linear".
+        operator: a name of the operator table (:mod:`hla_sp.ops.operators`): "hla2" |
+            "ahla" | "hla3" | "linear", or one registered there.
         q: [B, T, Hq, K]. k: [B, T, Hkv, K]. v: [B, T, Hkv, V], Hq a multiple of Hkv.
         log_decay: broadcasts to [B, T, Hkv] (values <= 0); one decay per group.
         initial_state: the operator's state with the shared fields (S, C, h) over Hkv
             heads and the per-query-head fields (H, eta) over Hq heads.
         key_mix, value_mix: [Hq] weights of the first-order path (see
-            :func:`hla_sp.ops.compositions.compose`), or None for the pure operator.
-        mix_norm: unit-normalise the mixed-in k~ and u per token (``compose``).
+            :class:`hla_sp.ops.compositions.StageContext`), or None for the pure
+            operator; an operator without that mix ignores it.
+        mix_norm: unit-normalise the mixed-in k~ and u per token (``StageContext``).
+        normalize, eps, ridge: options of the operators that take them (hla2); the
+            others must leave them at their defaults.
         Other keywords as in :func:`hla_sp.hla2`.
 
     Returns:
         (o [B, T, Hq, V], state or None). With Hq == Hkv and no first-order path this is
         exactly the public operator (it is called).
     """
-    operator = validate.check_choice("operator", operator, OPERATORS)
+    spec = operators.get(operator)
     validate.check_choice("precision", precision, PRECISIONS)
     Hq, Hkv = _check_grouped(q, k, v)
     mixed = key_mix is not None or value_mix is not None
-    if mixed and operator == "linear":
-        raise ValueError("key_mix: the first-order path needs an HLA operator, got 'linear'")
+    if mixed and not (spec.key_mix or spec.value_mix):
+        takers = tuple(n for n, s in operators.TABLE.items() if s.key_mix or s.value_mix)
+        raise ValueError(f"key_mix: the first-order path needs an operator among {takers}, "
+                         f"got {spec.name!r}")
+    given = dict(normalize=normalize, eps=eps, ridge=ridge)
     if Hq == Hkv and not mixed:
-        return _public(operator, q, k, v, dict(
+        return _public(spec, q, k, v, dict(
             log_decay=log_decay, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, cu_seqlens=cu_seqlens, sp=sp,
-            chunk_size=chunk_size, normalize=normalize, eps=eps, ridge=ridge,
-            precision=precision))
+            chunk_size=chunk_size), operators.check_options(spec, given), precision)
     G = Hq // Hkv
     # Validate as the public operators do, on the kv-head view (decay is per group).
     x = validate.check_inputs(
         q[:, :, ::G], k, v, log_decay=log_decay, scale=scale, cu_seqlens=cu_seqlens,
         sp=sp, chunk_size=chunk_size, output_final_state=output_final_state,
     )
-    normalize = validate.check_bool("normalize", normalize)
+    opts = operators.check_options(spec, given)
     mix_norm = validate.check_bool("mix_norm", mix_norm) and mixed
-    ridge = validate.check_nonneg("ridge", ridge)
-    eps = validate.check_nonneg("eps", eps)
     precision = resolve(precision, q.dtype, q.device)
-    fields = state_shapes(operator, x.n_seq, Hq, Hkv, x.K, x.V, normalize)
+    fields = operators.state_fields(spec.name, x.n_seq, Hq, Hkv, x.K, x.V, **opts)
     s0 = validate.check_state_tuple(initial_state, fields, q)
     plan = None
     if sp is not None:
-        plan = sp.check_call(x, op=f"{operator}/gqa{G}", options=dict(
-            normalize=normalize, ridge=ridge, eps=eps, key_mix=key_mix, value_mix=value_mix,
-            mix_norm=mix_norm, output_final_state=output_final_state, initial_state=s0,
-            precision=precision))
+        plan = sp.check_call(x, op=f"{spec.name}/gqa{G}", options=dict(
+            **opts, key_mix=key_mix, value_mix=value_mix, mix_norm=mix_norm,
+            output_final_state=output_final_state, initial_state=s0, precision=precision))
     stages = _Stages(G, x.g, cu_seqlens=x.cu_seqlens, want_final=output_final_state,
                      chunk_size=x.chunk_size, sp=sp, plan=plan)
     cdt = stage_dtype(precision, q.dtype)
-    qs, kk, vv = q.to(cdt) * x.scale, k.to(cdt), v.to(cdt)
-    if operator == "linear":
-        o, h = stages.shared(qs, kk, vv, s0[0])
-        final: list = [h]
-    else:
-        o, final = compose(
-            operator, qs, kk, vv, s0, shared=stages.shared, per_head=stages.per_head,
-            expand=lambda t: t.repeat_interleave(G, dim=2), normalize=normalize, ridge=ridge,
-            eps=eps, key_mix=key_mix, value_mix=value_mix, mix_norm=mix_norm,
-        )
-    state = ALL_STATE_TYPES[operator](*final) if output_final_state else None
+    ctx = StageContext(stages.shared, stages.per_head,
+                       expand=lambda t: t.repeat_interleave(G, dim=2), key_mix=key_mix,
+                       value_mix=value_mix, mix_norm=mix_norm, options=opts)
+    o, final = spec.stages(ctx, q.to(cdt) * x.scale, k.to(cdt), v.to(cdt), s0)
+    state = spec.state_type(*final) if output_final_state else None
     return o.to(q.dtype), state

@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hla_sp.config import DECAYS, OPERATORS, PRECISIONS, HLAConfig
+from hla_sp.config import DECAYS, PRECISIONS, HLAConfig, operator_names
 from hla_sp.nn.conv import ShortConv
-from hla_sp.nn.grouped import ALL_STATE_TYPES, grouped_operator, state_shapes
-from hla_sp.ops import validate
+from hla_sp.nn.grouped import grouped_operator
+from hla_sp.ops import operators, validate
 from hla_sp.ops.precision import compute_dtype, resolve, stage_dtype
 from hla_sp.ops.sharding import BatchPlan, SequenceParallelism
 
@@ -38,9 +38,6 @@ HEADS_OPTIONS = tuple(DEFAULTS.heads_kwargs())  # the HLA options the layers tak
 RETNET_LOG2_RANGE = (5.0, 12.0)
 # GLA divides its log-sigmoid gate by 16 so that per-token decays start close to 1.
 DATA_DECAY_TEMPERATURE = 16.0
-# Which operators mix the first-order key (k + a k~) and value (v + b u).
-KEY_MIX_OPS = ("hla2", "hla3")
-VALUE_MIX_OPS = ("ahla", "hla3")
 
 
 class LayerState(NamedTuple):
@@ -70,7 +67,8 @@ class HLAHeads(nn.Module):
         num_heads: query heads Hq (on this tensor-parallel rank).
         num_kv_heads: key/value heads Hkv, dividing Hq (None: Hq).
         head_dim: K = V, the per-head width.
-        operator: "hla2" | "ahla" | "hla3" | "linear".
+        operator: "hla2" | "ahla" | "hla3" | "linear", or an operator registered on
+            the table (:mod:`hla_sp.ops.operators`).
         decay: "none" | "fixed" (RetNet schedule per kv head) | "learned" (a per-kv-head
             parameter, initialised at the RetNet schedule) | "data" (per token:
             logsigmoid(w_h . k_t + b_h) / 16 from the kv head's key, GLA-like).
@@ -126,7 +124,7 @@ class HLAHeads(nn.Module):
         self.head_dim = validate.check_pos_int("head_dim", head_dim)
         # One set of choices and checks: the config's.
         self.config = HLAConfig(
-            operator=validate.check_choice("operator", operator, OPERATORS),  # type: ignore[arg-type]
+            operator=validate.check_choice("operator", operator, operator_names()),
             decay=validate.check_choice("decay", decay, DECAYS),  # type: ignore[arg-type]
             qk_norm=qk_norm, output_norm=output_norm, first_order=first_order,
             mix_norm=mix_norm, short_conv=short_conv, normalize=normalize, eps=eps,
@@ -159,8 +157,10 @@ class HLAHeads(nn.Module):
         self.decay_bias = param((Hkv,), self.decay in ("learned", "data"))
         self.decay_weight = param((Hkv, K), self.decay == "data")
         self.norm_weight = param((Hq, K), self.output_norm)
-        self.key_mix = param((Hq,), self.first_order and self.operator in KEY_MIX_OPS)
-        self.value_mix = param((Hq,), self.first_order and self.operator in VALUE_MIX_OPS)
+        # The first-order path's weights, for the inputs the operator's outer stage mixes.
+        spec = operators.get(self.operator)
+        self.key_mix = param((Hq,), self.first_order and spec.key_mix)
+        self.value_mix = param((Hq,), self.first_order and spec.value_mix)
         self.conv = None
         if c.short_conv:
             # Channels of q (query heads), k and v (kv heads), with their place among all
@@ -216,8 +216,8 @@ class HLAHeads(nn.Module):
 
     def state_shapes(self, n: int) -> dict[str, tuple[int, ...] | None]:
         """Field -> shape of the operator's state for n sequences (None: absent)."""
-        return state_shapes(self.operator, n, self.num_heads, self.num_kv_heads,
-                            self.head_dim, self.head_dim, self.normalize)
+        return operators.state_fields(self.operator, n, self.num_heads, self.num_kv_heads,
+                                      self.head_dim, self.head_dim, self.normalize)
 
     def init_state(self, n: int, device: torch.device | str | None = None,
                    dtype: torch.dtype = torch.float32) -> tuple:
@@ -225,7 +225,7 @@ class HLAHeads(nn.Module):
         state, in a :class:`LayerState` with the conv's inputs when there is a conv."""
         fields = [None if s is None else torch.zeros(s, device=device, dtype=dtype)
                   for s in self.state_shapes(n).values()]
-        op = ALL_STATE_TYPES[self.operator](*fields)
+        op = operators.get(self.operator).state_type(*fields)
         if self.conv is None:
             return op
         W, C = self.conv.kernel_size, self.conv.channels
@@ -337,8 +337,11 @@ class HLAHeads(nn.Module):
                                   cu_seqlens=cu_seqlens, sp=sp, chunk_size=self.chunk_size)
         plan = None
         if sp is not None:
-            plan = sp.check_call(x, op=f"short-conv/{self.short_conv}", options=dict(
-                conv_initial_state=conv_state, output_final_state=want_final))
+            # The taps are an option (not part of the call's name), so that a mismatch
+            # reads "short_conv differs across ranks: 4 on ranks [0], 2 on ranks [1]".
+            plan = sp.check_call(x, op="short-conv/layer", options=dict(
+                short_conv=self.short_conv, conv_initial_state=conv_state,
+                output_final_state=want_final))
             bounds = None if plan.bounds is None else list(plan.bounds)
         else:
             bounds = None if x.plan is None or x.plan.bounds is None else list(x.plan.bounds)

@@ -1,8 +1,9 @@
-"""Operators: the primitive, its compositions, their references, the fused hla2."""
+"""Operators: the primitive, its compositions, their table, references, the fused hla2."""
 
-from hla_sp.ops.compositions import AHLAState, HLA2State, HLA3State, ahla, hla2, hla3
+from hla_sp.ops.compositions import AHLAState, HLA2State, HLA3State
 from hla_sp.ops.fused import hla2_fused
 from hla_sp.ops.linear_attention import linear_attention
+from hla_sp.ops.operators import ahla, hla2, hla3
 
 __all__ = [
     "AHLAState",

@@ -111,6 +111,16 @@ def triton_fused_hla2_forward(
     return fused_hla2_forward(q, k, v, g, resets, S0, H0, ridge, chunk_size, mode)
 
 
+def triton_fused_hla2_refusal(
+    dtype: torch.dtype, K: int, V: int, decay: bool, documents: bool, states: bool
+) -> str | None:
+    """:func:`hla_sp.kernels.hla2_fused.sequential_refusal`: why the sequential fused
+    kernel refuses these inputs (decided ahead of time, launching nothing), or None."""
+    from hla_sp.kernels import sequential_refusal
+
+    return sequential_refusal(dtype, K, V, decay, documents, states)
+
+
 def triton_fused_hla2_backward(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, resets: Tensor | None,
     S0: Tensor | None, H0: Tensor | None, ridge: float, do: Tensor, dS_T: Tensor | None,

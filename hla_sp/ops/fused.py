@@ -19,14 +19,13 @@ from hla_sp.ops.chunk import document_resets
 from hla_sp.ops.compositions import (
     DEFAULT_EPS,
     HLA2State,
-    _unpack_state,
     split_denominator,
-    state_fields,
     with_denominator,
 )
 from hla_sp.ops.dispatch import (
     triton_fused_hla2_backward,
     triton_fused_hla2_forward,
+    triton_fused_hla2_refusal,
     triton_unavailable_reason,
 )
 from hla_sp.ops.isolation import (
@@ -40,6 +39,7 @@ from hla_sp.ops.isolation import (
     poisoned_prefix,
 )
 from hla_sp.ops.linear_attention import DEFAULT_CHUNK_SIZE
+from hla_sp.ops.operators import state_fields
 
 Tensor = torch.Tensor
 
@@ -173,16 +173,14 @@ def hla2_fused(
         raise RuntimeError(f"hla2_fused needs the Triton kernels, but {reason}")
     normalize = validate.check_bool("normalize", normalize)
     if mode == "sequential":  # refused before any work, from the ahead-of-time table
-        from hla_sp.kernels.hla2_fused import sequential_refusal
-
-        refusal = sequential_refusal(  # normalize appends the denominator's column to v
+        refusal = triton_fused_hla2_refusal(  # normalize appends the denominator's column to v
             x.q.dtype, x.K, x.V + int(normalize), decay=x.g is not None,
             documents=x.cu_seqlens is not None, states=initial_state is not None,
         )
         if refusal is not None:
             raise ValueError(refusal)
     fields = state_fields("hla2", x.n_seq, x.H, x.H, x.K, x.V, normalize)
-    S0, H0, eta0 = _unpack_state(initial_state, fields, x.q)
+    S0, H0, eta0 = validate.check_state_tuple(initial_state, fields, x.q)
     resets = None
     if x.cu_seqlens is not None:
         resets = document_resets(x.cu_seqlens.tolist(), x.T, x.q.device)

@@ -174,7 +174,7 @@ def linear_attention(
     call = None
     if sp is not None:
         # output_final_state decides whether the final state is all-reduced: agree on it.
-        call = sp.check_call(inputs, op="linear_attention", options=dict(
+        call = sp.check_call(inputs, op="linear", options=dict(
             output_final_state=output_final_state, initial_state=h0))
     return primitive(
         inputs.q * inputs.scale,

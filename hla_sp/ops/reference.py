@@ -2,7 +2,8 @@
 
 Nothing here is fast. Every function reads like the definition it checks, takes
 [B, T, H, K] tensors, a log-decay broadcastable to [B, T, H] (or None) and a
-``scale`` that multiplies q, and computes in the inputs' dtype.
+``scale`` that multiplies q, and computes in the inputs' dtype. The operator table
+(:mod:`hla_sp.ops.operators`) names each operator's recurrence here as its reference.
 """
 
 from __future__ import annotations
