@@ -393,6 +393,6 @@ def test_peer_killed_during_a_save_is_reported_as_such(tmp_path: Path) -> None:
 
 
 def test_the_free_space_estimate_is_the_real_size(schedule_runs: dict[str, Any]) -> None:
-    real = checkpoint._dir_bytes(checkpoint.iter_dir(str(schedule_runs["dir"] / "a"), 6))
+    real = checkpoint.dir_bytes(checkpoint.iter_dir(str(schedule_runs["dir"] / "a"), 6))
     est = checkpoint.estimate_checkpoint_bytes(schedule_runs["cfg"])
     assert 0.8 < est / real < 1.1, (est, real)

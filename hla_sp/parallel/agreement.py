@@ -56,7 +56,7 @@ _UNKNOWN_KIND = 3
 _NONE, _BOOL, _INT, _FLOAT, _STR, _TENSOR = 1, 2, 3, 4, 5, 6
 
 
-def _hash63(data: bytes) -> int:
+def hash63(data: bytes) -> int:
     """A hash that is the same in every process (Python's hash() of str is salted)."""
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
 
@@ -74,13 +74,13 @@ def _text_words(text: str) -> list[int]:
     """``_TEXT`` int64 words of a text: a hash of all of it, then its first UTF-8 bytes."""
     raw = text.encode()
     body = raw[: 8 * (_TEXT - 1)].ljust(8 * (_TEXT - 1), b"\0")
-    return [_hash63(raw), *struct.unpack(f"<{_TEXT - 1}q", body)]
+    return [hash63(raw), *struct.unpack(f"<{_TEXT - 1}q", body)]
 
 
 def _read_text(words: Sequence[int]) -> tuple[str, bool]:
     """The text of :func:`_text_words` and whether it is whole (not cut by the row)."""
     raw = struct.pack(f"<{_TEXT - 1}q", *words[1:_TEXT]).rstrip(b"\0")
-    return raw.decode("utf-8", "replace"), _hash63(raw) == words[0]
+    return raw.decode("utf-8", "replace"), hash63(raw) == words[0]
 
 
 def _show_text(words: Sequence[int], quote: bool = True) -> str:
@@ -94,14 +94,14 @@ def _show_text(words: Sequence[int], quote: bool = True) -> str:
 _MIX1, _MIX2, _MIX3 = 0x2545F4914F6CDD1D, 0x9E3779B97F4A7C1 * 2 + 1, 0x5851F42D4C957F2D
 
 
-def _digest(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
+def tensor_digest(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
     """An int64 digest of the values (as fp64) and shapes of ``tensors``, computed on
     their device (no host synchronization): equal values give equal digests on every
     rank; changing any one element always changes it (an odd weight per position)."""
     dev = next(t.device for t in tensors if t is not None)
     acc = torch.zeros((), dtype=torch.int64, device=dev)
     for i, t in enumerate(tensors):
-        acc = acc * _MIX3 + (_hash63(repr((i, None if t is None else tuple(t.shape))).encode()))
+        acc = acc * _MIX3 + (hash63(repr((i, None if t is None else tuple(t.shape))).encode()))
         if t is None or t.numel() == 0:
             continue
         # + 0.0 makes -0.0 into +0.0: equal values, equal bits.
@@ -121,7 +121,7 @@ def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
     return (x >> k) & ((1 << (64 - k)) - 1)
 
 
-def _decay_kind(g: torch.Tensor | None) -> tuple[int, torch.Tensor | None]:
+def decay_kind(g: torch.Tensor | None) -> tuple[int, torch.Tensor | None]:
     """(kind index in ``_DECAY_KINDS``, the values of a per-head constant [B, H] or
     None). A log_decay broadcast over tokens (an [H] or [B, 1, H] tensor broadcast to
     [B, T, H], stride 0 over T) is a per-head constant, replicated on every rank, so
@@ -159,7 +159,7 @@ def named_options(options: object) -> list[tuple[str, object]]:
     return pairs
 
 
-def _encode_option(value: object) -> tuple[int, list[int], list[torch.Tensor | None] | None]:
+def encode_option(value: object) -> tuple[int, list[int], list[torch.Tensor | None] | None]:
     """(kind, ``_TEXT`` value words, tensors whose digest is the first word, or None)."""
     pad = [0] * (_TEXT - 1)
     if value is None:
@@ -197,7 +197,7 @@ def metadata_row(
     value), then the local T.
     Value digests are computed there (no host synchronization)."""
     device = inputs.q.device
-    kind, constant = _decay_kind(inputs.g)
+    kind, constant = decay_kind(inputs.g)
     cu = [-1] + [0] * _TEXT if bounds is None else [
         len(bounds) - 1, *_text_words(",".join(str(b) for b in bounds))]
     ints = [
@@ -217,13 +217,13 @@ def metadata_row(
         digests.append((_AT["log_decay values"], [constant]))
     slots = [0] * (_MAX_OPTIONS * _SLOT)
     for i, (name, value) in enumerate(options):
-        code, words, tensors = _encode_option(value)
+        code, words, tensors = encode_option(value)
         slots[i * _SLOT : (i + 1) * _SLOT] = [*_text_words(name), code, *words]
         if tensors is not None:
             digests.append((_OPTIONS_AT + i * _SLOT + _TEXT + 1, tensors))
     row = torch.tensor(ints + slots + [inputs.T], dtype=torch.int64, device=device)
     for j, tensors in digests:
-        row[j] = _digest(tensors).to(device)
+        row[j] = tensor_digest(tensors).to(device)
     return row
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from hla_sp.ops.sharding import BatchPlan, bounds_digest, check_bounds, documents_bounds
-from hla_sp.parallel.agreement import _digest, gather_words
+from hla_sp.parallel.agreement import gather_words, tensor_digest
 from hla_sp.parallel.layouts import layout_pieces
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ def plan_batch(sp: SequenceParallel, T_local: int,
         dev = _row_device(group, cu)
         n = -1 if cu is None else cu.numel()
         digest = torch.zeros((), dtype=torch.int64, device=dev) if cu is None or not n \
-            else _digest([cu.to(dev)])
+            else tensor_digest([cu.to(dev)])
         row = torch.cat([torch.tensor([T_local, n], dtype=torch.int64, device=dev),
                          digest.to(dev)[None]])
         table = gather_words(row, group, P, "plan_batch", sp.check_timeout_s)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from hla_sp.ops.validate import Inputs
-from hla_sp.parallel.agreement import _decay_kind, _digest, _encode_option, _hash63
+from hla_sp.parallel.agreement import decay_kind, encode_option, hash63, tensor_digest
 from hla_sp.parallel.plan import Plan
 from hla_sp.parallel.summaries import SIGNATURE_MISMATCH
 
@@ -59,20 +59,20 @@ def call_signature(
     mixed in on the device. It covers what the full check compares, plus the agreed
     lengths (every rank must use the same). The document offsets enter as the digest
     their plan computed once (``BatchPlan.digest``; 0 without offsets)."""
-    kind, constant = _decay_kind(inputs.g)
+    kind, constant = decay_kind(inputs.g)
     host: list[object] = [
         op, inputs.B, inputs.H, inputs.K, inputs.V, str(inputs.q.dtype), layout,
         method, inputs.scale, kind, bounds_digest, torch.is_grad_enabled(), lengths,
     ]
     tensors: list[torch.Tensor | None] = [constant]
     for name, value in named:
-        code, payload, ts = _encode_option(value)
+        code, payload, ts = encode_option(value)
         host.append((name, code, payload if ts is None else
                      tuple(None if t is None else (tuple(t.shape), str(t.dtype)) for t in ts)))
         tensors.extend(ts or [])
     dev = inputs.q.device
-    sig = torch.full((), _hash63(repr(host).encode()), dtype=torch.int64, device=dev)
+    sig = torch.full((), hash63(repr(host).encode()), dtype=torch.int64, device=dev)
     if any(t is not None and t.numel() for t in tensors):
-        sig = sig * _SIG_MIX + _digest([t for t in tensors]).to(dev)
+        sig = sig * _SIG_MIX + tensor_digest([t for t in tensors]).to(dev)
     sig = sig * 2 + (1 if inputs.g is None else decay_ok(inputs.g))
     return sig & ((1 << 63) - 1)

@@ -21,14 +21,14 @@ from hla_sp.launch.checkpoint.layout import (
 from hla_sp.launch.checkpoint.run_config import saved_config
 
 
-def _dir_bytes(path: str) -> int:
+def dir_bytes(path: str) -> int:
     """Bytes of the files in a checkpoint directory and its DCP subdirectory (links
     are not followed: a checkpoint holds none)."""
     total = 0
     with os.scandir(path) as it:
         for e in it:
             if e.is_dir(follow_symlinks=False):
-                total += _dir_bytes(e.path)
+                total += dir_bytes(e.path)
             elif e.is_file(follow_symlinks=False):
                 total += e.stat(follow_symlinks=False).st_size
     return total
@@ -125,7 +125,7 @@ def check_save_dir(cfg: Any) -> None:
     for root in (cfg.load, save):
         done = complete_iterations(root) if root and os.path.isdir(root) else []
         if done:
-            sized = (_dir_bytes(iter_dir(root, done[-1])), iter_dir(root, done[-1]))
+            sized = (dir_bytes(iter_dir(root, done[-1])), iter_dir(root, done[-1]))
             break
     need, what = sized if sized else (estimate_checkpoint_bytes(cfg), "estimated from the model")
     free = shutil.disk_usage(probe_dir).free
