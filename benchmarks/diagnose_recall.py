@@ -85,7 +85,7 @@ def moments(mixer: str, tokens: torch.Tensor) -> dict[str, Any]:
     if mixer.startswith("linear"):
         o, _ = linear_attention(q, k, v, log_decay=g, scale=1.0)
     else:
-        from hla_sp.nn import grouped_operator
+        from hla_sp.ops import grouped_operator
 
         mix = None if heads.key_mix is None else torch.full_like(heads.key_mix, 1.0)
         o, _ = grouped_operator("hla2", q, k, v, log_decay=g, scale=1.0, key_mix=mix)

@@ -177,13 +177,24 @@ def test_op_gradients_match_autograd() -> None:
         assert (a - b).abs().max() <= 1e-10 * b.abs().max(), i
 
 
-def test_compile_layer_with_batch_plan(monkeypatch: pytest.MonkeyPatch) -> None:
-    """HLAttention (GQA, first-order path, learned decay) over packed documents given
-    as a batch plan traces as one graph: the plan's offsets are Python constants and
-    nothing is read on the host. Loss and gradients err against the fp64 layer by at
-    most twice what eager fp32 does (the rule of test_compile_fullgraph: the same fp32
-    computation, summed in another order by the compiled graph), plus one fp32
-    rounding of the largest value (where eager happens to be exact)."""
+def _state_sum(st: tuple) -> torch.Tensor:
+    """The sum of every tensor of a layer's state (the operator's and the conv's)."""
+    parts = [*st.op, st.conv] if hasattr(st, "conv") else list(st)
+    return sum(t.sum() for t in parts if t is not None)
+
+
+@pytest.mark.parametrize("short_conv,documents", [(0, True), (4, True), (4, False)],
+                         ids=["documents", "conv-documents", "conv-rows"])
+def test_compile_layer_with_batch_plan(
+    monkeypatch: pytest.MonkeyPatch, short_conv: int, documents: bool
+) -> None:
+    """HLAttention (GQA, first-order path, learned decay, with or without the short
+    convolution) over packed documents given as a batch plan, or over batch rows,
+    traces as one graph: the plan's offsets are Python constants and nothing is read
+    on the host. Loss and gradients (the final states' included) err against the fp64
+    layer by at most twice what eager fp32 does (the rule of test_compile_fullgraph:
+    the same fp32 computation, summed in another order by the compiled graph), plus
+    one fp32 rounding of the largest value (where eager happens to be exact)."""
     from hla_sp.nn import HLAttention
     from hla_sp.ops.sharding import plan_documents
 
@@ -191,16 +202,16 @@ def test_compile_layer_with_batch_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     torch._dynamo.reset()
     torch.manual_seed(0)
     T = 24
-    plan = plan_documents([0, 5, 13, T], T)
-    layer = HLAttention(16, 4, 4, num_kv_heads=2, short_conv=0, chunk_size=8)
+    plan = plan_documents([0, 5, 13, T], T) if documents else None
+    layer = HLAttention(16, 4, 4, num_kv_heads=2, short_conv=short_conv, chunk_size=8)
     with torch.no_grad():
         torch.nn.init.normal_(layer.heads.key_mix)
-    x = torch.randn(1, T, 16)
+    x = torch.randn(1 if documents else 2, T, 16)
 
     def loss_of(m: torch.nn.Module) -> object:
         def f(x: torch.Tensor) -> torch.Tensor:
             y, st = m(x, plan=plan, output_final_state=True)
-            return y.square().sum() + sum(t.sum() for t in st if t is not None)
+            return y.square().sum() + _state_sum(st)
         return f
 
     eager = grads_of(layer, x, loss_of(layer))
@@ -210,6 +221,7 @@ def test_compile_layer_with_batch_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     assert counter["graphs"] == 1 and counter["ops"] == 2, counter  # hla2's two stages
     layer64 = copy.deepcopy(layer).double()
     truth = grads_of(layer64, x.double(), loss_of(layer64))
+    assert len(got) == len(truth) == 1 + len(list(layer.parameters()))  # the loss, every grad
     for i, (a, b, t) in enumerate(zip(got, eager, truth)):
         err, eager_err = (float((y.double() - t).abs().max()) for y in (a, b))
         floor = 2.0**-24 * float(t.abs().max())

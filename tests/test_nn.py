@@ -8,15 +8,8 @@ import pytest
 import torch
 
 from hla_sp import HLA2State, hla2
-from hla_sp.nn import (
-    DECAYS,
-    OPERATORS,
-    HLAHeads,
-    HLAttention,
-    LinearState,
-    grouped_operator,
-    retnet_log_decay,
-)
+from hla_sp.nn import DECAYS, OPERATORS, HLAHeads, HLAttention, retnet_log_decay
+from hla_sp.ops import LinearState, grouped_operator
 
 F64 = torch.float64
 

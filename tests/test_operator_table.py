@@ -127,7 +127,8 @@ def test_toy_equals_its_reference_fp64() -> None:
 def test_toy_in_the_layer_with_groups_and_mix() -> None:
     """GQA with the value mix equals the per-head call on repeated k, v; the layer runs
     forward and backward, and its decode steps continue its forward exactly."""
-    from hla_sp.nn import HLAttention, grouped_operator
+    from hla_sp.nn import HLAttention
+    from hla_sp.ops import grouped_operator
 
     q, k, v, g = _inputs(Hq=4, Hkv=2)
     mix = torch.linspace(-1.0, 1.0, 4, dtype=F64)

@@ -158,7 +158,7 @@ def _replicated_mismatch_task(rank: int, P: int) -> list[str]:
     attempt("ridge", lambda: hla_sp.hla2(q, k, v, ridge=0.25 if one else 0.0, sp=sp))
     attempt("eps", lambda: hla_sp.hla2(q, k, v, normalize=True, eps=1e-3 if one else 1e-6,
                                        sp=sp))
-    from hla_sp.nn import grouped_operator
+    from hla_sp.ops import grouped_operator
 
     qg = torch.cat([q, q], dim=2)  # 4 query heads over 2 kv heads
     mix = torch.full((4,), 0.5 + one)

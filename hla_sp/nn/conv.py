@@ -24,6 +24,7 @@ holds; rank 0 adds those carried in).
 
 from __future__ import annotations
 
+import contextlib
 from contextlib import AbstractContextManager
 
 import torch
@@ -75,20 +76,28 @@ class _Layout:
 
 def _host() -> AbstractContextManager:
     """Where the host index tables are built: real tensors even under a FakeTensorMode
-    (they come from Python ints, and a fake one could not be read back)."""
+    (they come from Python ints, and a fake one could not be read back). Under
+    torch.compile the tables are ops of the graph on constants instead (dynamo cannot
+    enter this context manager; the compiled graph folds or recomputes them)."""
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
     return unset_fake_temporarily()
 
 
 def _on(rows: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
     """A host index table where ``buf`` is: a fake tensor of buf's mode when buf is fake."""
+    if torch.compiler.is_compiling():
+        return rows.to(buf.device)
     mode = maybe_get_fake_mode(buf)
     return (rows if mode is None else mode.from_tensor(rows)).to(buf.device)
 
 
 def _read(buf: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """buf [B, R, C] at ``rows`` [T] (host int64): a slice when the rows are consecutive,
-    else a gather."""
+    else a gather (always a gather under torch.compile: the test reads the table)."""
     T = rows.numel()
+    if torch.compiler.is_compiling():
+        return buf.index_select(1, _on(rows, buf))
     with _host():
         first = int(rows[0]) if T else 0
         consecutive = T > 0 and bool((rows == first + torch.arange(T)).all())
@@ -208,17 +217,16 @@ class ShortConv(nn.Module):
         halo_rows = parts[-1].shape[1] if plan is not None else 0
         parts.append(x.new_zeros(B, 1, C))
         buf = torch.cat(parts, dim=1)
-        with _host():
-            doc = torch.searchsorted(torch.tensor(lay.starts, dtype=torch.long), lay.pos,
-                                     right=True) - 1
-            src = lay.pos[:, None] - torch.arange(W)[None, :]  # [T, W]: tap d reads t - d
-            index = lay.rows(src, doc[:, None].expand(-1, W), T, halo_rows, W)
-            taps = [index[:, d] for d in range(W)]
+        if plan is None and bounds is None:
+            # One sequence per row: tap d of token t is buffer row (W-1) + t - d (the
+            # row's W-1 carried inputs sit just before its tokens), a slice.
+            taps = [buf.narrow(1, W - 1 - d, T) for d in range(W)]
+        else:
+            taps = self._tables(buf, lay, W, T, halo_rows)
         weight = self.weight.to(x.dtype)
         acc = None
-        for d in range(W):
-            tap = _read(buf, taps[d])
-            acc = tap * weight[:, d] if acc is None else torch.addcmul(acc, tap, weight[:, d])
+        for tap, w in zip(taps, weight.unbind(1)):
+            acc = tap * w if acc is None else torch.addcmul(acc, tap, w)
         y = F.silu(acc)
         final = None
         if want_final:
@@ -226,6 +234,16 @@ class ShortConv(nn.Module):
         if plan is not None:
             y = exchange.tie(y, plan)
         return y, final
+
+    def _tables(self, buf: torch.Tensor, lay: _Layout, W: int, T: int,
+                halo_rows: int) -> list[torch.Tensor]:
+        """The W taps [B, T, C] read from ``buf`` through the [T, W] index table."""
+        with _host():
+            doc = torch.searchsorted(torch.tensor(lay.starts, dtype=torch.long), lay.pos,
+                                     right=True) - 1
+            src = lay.pos[:, None] - torch.arange(W)[None, :]  # [T, W]: tap d reads t - d
+            index = lay.rows(src, doc[:, None].expand(-1, W), T, halo_rows, W)
+        return [_read(buf, index[:, d]) for d in range(W)]
 
     def _final(self, buf: torch.Tensor, lay: _Layout, W: int, T: int, halo_rows: int,
                N: int, B: int) -> torch.Tensor:

@@ -26,8 +26,8 @@ from torch import nn
 
 from hla_sp.config import DECAYS, PRECISIONS, HLAConfig, operator_names
 from hla_sp.nn.conv import ShortConv
-from hla_sp.nn.grouped import grouped_operator
 from hla_sp.ops import operators, validate
+from hla_sp.ops.grouped import grouped_operator
 from hla_sp.ops.precision import compute_dtype, resolve, stage_dtype
 from hla_sp.ops.sharding import BatchPlan, SequenceParallelism
 

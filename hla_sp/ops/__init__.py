@@ -1,7 +1,8 @@
-"""Operators: the primitive, its compositions, their table, references, the fused hla2."""
+"""Operators: the primitive, its compositions, their table, GQA, references, the fused hla2."""
 
-from hla_sp.ops.compositions import AHLAState, HLA2State, HLA3State
+from hla_sp.ops.compositions import AHLAState, HLA2State, HLA3State, LinearState
 from hla_sp.ops.fused import hla2_fused
+from hla_sp.ops.grouped import grouped_operator
 from hla_sp.ops.linear_attention import linear_attention
 from hla_sp.ops.operators import ahla, hla2, hla3
 
@@ -9,7 +10,9 @@ __all__ = [
     "AHLAState",
     "HLA2State",
     "HLA3State",
+    "LinearState",
     "ahla",
+    "grouped_operator",
     "hla2",
     "hla2_fused",
     "hla3",

@@ -142,10 +142,13 @@ def linear_attention(
     """Decayed causal linear attention (first order).
 
     Args:
-        q, k: [B, T, H, K]. v: [B, T, H, V].
-        log_decay: broadcasts to [B, T, H], values <= 0; shape [H] is a per-head constant.
+        q: [B, T, H, K]. k: [B, T, Hkv, K]. v: [B, T, Hkv, V], with Hkv = H, or Hkv
+            dividing H (GQA/MQA: query heads g * H/Hkv .. (g + 1) * H/Hkv - 1 read kv
+            head g, whose state they share).
+        log_decay: broadcasts to [B, T, Hkv], values <= 0; shape [Hkv] is a per-head
+            constant.
         scale: multiplies q; default K ** -0.5.
-        initial_state: [B, H, K, V], or [N, H, K, V] with cu_seqlens.
+        initial_state: [B, Hkv, K, V], or [N, Hkv, K, V] with cu_seqlens.
         output_final_state: also return the final state (same shape, fp32 or fp64).
         cu_seqlens: [N + 1] offsets of packed documents (B == 1).
         sp: a :class:`hla_sp.SequenceParallel`; each rank passes its shard.
@@ -157,6 +160,16 @@ def linear_attention(
     Returns:
         (o [B, T, H, V] in q's dtype, final state or None)
     """
+    # grouped.py builds on this module: imported here, not at the top (an import cycle)
+    from hla_sp.ops.grouped import grouped_operator, is_grouped
+
+    if is_grouped(q, k):  # fewer kv heads than query heads: one state per kv group
+        h0 = initial_state if initial_state is None else (initial_state,)
+        o, state = grouped_operator(
+            "linear", q, k, v, log_decay=log_decay, scale=scale, initial_state=h0,
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens, sp=sp,
+            chunk_size=chunk_size, plan=plan)
+        return o, None if state is None else state[0]
     inputs = validate.check_inputs(
         q,
         k,

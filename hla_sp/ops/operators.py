@@ -141,11 +141,21 @@ def call(
     plan: BatchPlan | None = None,
     **options: object,
 ) -> tuple[torch.Tensor, tuple | None]:
-    """Run ``operator`` (q, k [B, T, H, K], v [B, T, H, V]) with the primitive as every
-    stage: validate, agree across ``sp``'s ranks, run its stages. Keywords as in
-    :func:`hla_sp.hla2`; ``options``: the operator's own. Returns (o [B, T, H, V] in
-    q's dtype, its state type or None)."""
+    """Run ``operator`` (q [B, T, Hq, K], k [B, T, Hkv, K], v [B, T, Hkv, V], Hkv
+    dividing Hq) with the primitive as every stage: validate, agree across ``sp``'s
+    ranks, run its stages (with Hkv < Hq: :func:`hla_sp.ops.grouped.grouped_operator`).
+    Keywords as in :func:`hla_sp.hla2`; ``options``: the operator's own. Returns
+    (o [B, T, Hq, V] in q's dtype, its state type or None)."""
     spec = get(operator)
+    # grouped.py builds on this table: imported here, not at the top (an import cycle)
+    from hla_sp.ops.grouped import grouped_operator, is_grouped
+
+    if is_grouped(q, k):  # fewer kv heads than query heads: GQA/MQA
+        return grouped_operator(
+            spec.name, q, k, v, log_decay=log_decay, scale=scale,  # type: ignore[arg-type]
+            initial_state=initial_state, output_final_state=output_final_state,  # type: ignore[arg-type]
+            cu_seqlens=cu_seqlens, sp=sp, chunk_size=chunk_size,  # type: ignore[arg-type]
+            precision=precision, plan=plan, **options)  # type: ignore[arg-type]
     x = validate.check_inputs(
         q, k, v, log_decay=log_decay, scale=scale, cu_seqlens=cu_seqlens, sp=sp,
         chunk_size=chunk_size, output_final_state=output_final_state, plan=plan,
@@ -223,7 +233,9 @@ def hla2(
     """Masked second-order HLA: o_t = sum_{i<=j<=t} exp(A_t - A_i)(q_t.k_i)(k_i.q_j) v_j.
 
     Args:
-        q, k: [B, T, H, K]. v: [B, T, H, V].
+        q: [B, T, H, K]. k: [B, T, Hkv, K]. v: [B, T, Hkv, V], with Hkv = H, or Hkv
+            dividing H (GQA/MQA): the key moment S is then one per kv head, shared by
+            its group of query heads; H (and eta) stay per query head.
         normalize: divide by den_t = q_t^T eta_t (eps added). den can be negative or
             near zero: that is the paper's definition, kept as is.
         ridge: lambda of the paper's S + lambda I.

@@ -22,9 +22,16 @@ from hla_sp.ops import operators, validate
 from hla_sp.ops.compositions import DEFAULT_EPS, LinearState, StageContext
 from hla_sp.ops.linear_attention import DEFAULT_CHUNK_SIZE, primitive
 from hla_sp.ops.precision import resolve, stage_dtype
-from hla_sp.ops.sharding import SequenceParallelism
+from hla_sp.ops.sharding import BatchPlan, SequenceParallelism
 
-__all__ = ["LinearState", "grouped_operator"]  # LinearState: re-exported by hla_sp.nn
+__all__ = ["LinearState", "grouped_operator", "is_grouped"]
+
+
+def is_grouped(q: object, k: object) -> bool:
+    """Whether q [B, T, Hq, K] and k [B, T, Hkv, K] have fewer kv heads than query heads
+    (a GQA/MQA call); anything else goes to the public operators' own validation."""
+    return (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == 4
+            and k.dim() == 4 and k.shape[2] != q.shape[2])
 
 
 def _interleave(x: torch.Tensor, groups: int, *, repeat: bool) -> torch.Tensor:
@@ -154,8 +161,12 @@ def grouped_operator(
     value_mix: torch.Tensor | None = None,
     mix_norm: bool = False,
     precision: str = "auto",
+    plan: BatchPlan | None = None,
 ) -> tuple[torch.Tensor, tuple | None]:
     """An HLA operator with grouped keys and values (GQA/MQA), exact.
+
+    The public operators (:func:`hla_sp.hla2`, ...) come here when k has fewer heads
+    than q; this is also the layer's call (the first-order path's mixes).
 
     Args:
         operator: a name of the operator table (:mod:`hla_sp.ops.operators`): "hla2" |
@@ -170,6 +181,8 @@ def grouped_operator(
         mix_norm: unit-normalise the mixed-in k~ and u per token (``StageContext``).
         normalize, eps, ridge: options of the operators that take them (hla2); the
             others must leave them at their defaults.
+        plan: the batch's :class:`~hla_sp.ops.sharding.BatchPlan` instead of
+            ``cu_seqlens``.
         Other keywords as in :func:`hla_sp.hla2`.
 
     Returns:
@@ -189,12 +202,13 @@ def grouped_operator(
         return _public(spec, q, k, v, dict(
             log_decay=log_decay, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, cu_seqlens=cu_seqlens, sp=sp,
-            chunk_size=chunk_size), operators.check_options(spec, given), precision)
+            chunk_size=chunk_size, plan=plan), operators.check_options(spec, given),
+            precision)
     G = Hq // Hkv
     # Validate as the public operators do, on the kv-head view (decay is per group).
     x = validate.check_inputs(
         q[:, :, ::G], k, v, log_decay=log_decay, scale=scale, cu_seqlens=cu_seqlens,
-        sp=sp, chunk_size=chunk_size, output_final_state=output_final_state,
+        sp=sp, chunk_size=chunk_size, output_final_state=output_final_state, plan=plan,
     )
     opts = operators.check_options(spec, given)
     mix_norm = validate.check_bool("mix_norm", mix_norm) and mixed
@@ -206,7 +220,7 @@ def grouped_operator(
         plan = sp.check_call(x, op=f"{spec.name}/gqa{G}", options=dict(
             **opts, key_mix=key_mix, value_mix=value_mix, mix_norm=mix_norm,
             output_final_state=output_final_state, initial_state=s0, precision=precision))
-    stages = _Stages(G, x.g, cu_seqlens=x.cu_seqlens, want_final=output_final_state,
+    stages = _Stages(G, x.g, cu_seqlens=x.plan, want_final=output_final_state,
                      chunk_size=x.chunk_size, sp=sp, plan=plan)
     cdt = stage_dtype(precision, q.dtype)
     ctx = StageContext(stages.shared, stages.per_head,
