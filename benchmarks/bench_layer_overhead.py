@@ -4,8 +4,11 @@ A stack of ``--layers`` residual ``HLAttention`` layers (hla2 at the defaults: s
 convolution, first-order path) runs forward + backward on T/P tokens per rank:
 
 - sharded: P gloo ranks, ``SequenceParallel(layout="zigzag")``, the whole sequence T;
+- sharded with a batch plan: the same, with the step's plan built once
+  (``sp.plan_batch``) and passed to every layer, as the trainer and Megatron's core
+  attention do;
 - single-rank: the same stack on the same T/P tokens without ``sp``, on the same ranks
-  at the same moment, interleaved rep by rep (so both meet the same CPU contention).
+  at the same moment, interleaved rep by rep (so all three meet the same contention).
 
 The ratio sharded / single-rank is the price of the exchange, the halo and every check
 a layer call makes. At small T/P (512, 2,048) that price is mostly fixed per call, which
@@ -85,11 +88,14 @@ def stack(layers: int, d: int, heads: int, seed: int = 0) -> torch.nn.ModuleList
     return torch.nn.ModuleList(HLAttention(d, heads, operator="hla2") for _ in range(layers))
 
 
-def step(model: torch.nn.ModuleList, x: torch.Tensor, sp: SequenceParallel | None) -> None:
-    """Forward + backward of the stack on x [1, T_local, d]."""
+def step(model: torch.nn.ModuleList, x: torch.Tensor, sp: SequenceParallel | None,
+         planned: bool = False) -> None:
+    """Forward + backward of the stack on x [1, T_local, d]; ``planned``: one batch plan
+    for every layer (built here, as a trainer builds it per micro-batch)."""
+    plan = sp.plan_batch(x.shape[1]) if planned and sp is not None else None
     h = x
     for layer in model:
-        h = h + layer(h, sp=sp)[0]
+        h = h + layer(h, sp=sp, plan=plan)[0]
     h.square().mean().backward()
 
 
@@ -103,21 +109,24 @@ def overhead_task(rank: int, P: int, T_local: int, layers: int, d: int, heads: i
     x_shard = shard(x_global, rank, P, "zigzag")
     x_local = x_global[:, :T_local]
     sp = SequenceParallel(layout="zigzag")
-    for _ in range(2):  # warm up both paths (plans, allocator, first-call checks)
-        step(model, x_shard, sp)
-        step(model, x_local, None)
-    counts: Counter = Counter()
-    with counting(counts):
-        step(model, x_shard, sp)
-    times: dict[str, list[float]] = {"sharded": [], "single": []}
+    paths = (("sharded", x_shard, sp, False), ("planned", x_shard, sp, True),
+             ("single", x_local, None, False))
+    for _ in range(2):  # warm up every path (plans, allocator, first-call checks)
+        for _, x, s, planned in paths:
+            step(model, x, s, planned)
+    counts: dict[str, Counter] = {"sharded": Counter(), "planned": Counter()}
+    for name, x, s, planned in paths[:2]:
+        with counting(counts[name]):
+            step(model, x, s, planned)
+    times: dict[str, list[float]] = {name: [] for name, *_ in paths}
     for _ in range(reps):
-        for name, x, s in (("sharded", x_shard, sp), ("single", x_local, None)):
+        for name, x, s, planned in paths:
             model.zero_grad(set_to_none=True)
             dist.barrier()
             t0 = time.perf_counter()
-            step(model, x, s)
+            step(model, x, s, planned)
             times[name].append(time.perf_counter() - t0)
-    return {"times": times, "counts": dict(counts)}
+    return {"times": times, "counts": {n: dict(c) for n, c in counts.items()}}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -144,20 +153,27 @@ def main(argv: list[str] | None = None) -> None:
                                  args.heads, args.reps, timeout=1800)
             # A step lasts as long as the group's slowest rank.
             step_s = {n: [max(r["times"][n][i] for r in per_rank) for i in range(args.reps)]
-                      for n in ("sharded", "single")}
+                      for n in per_rank[0]["times"]}
             best = {n: min(ts) for n, ts in step_s.items()}
             med = {n: statistics.median(ts) for n, ts in step_s.items()}
-            counts = per_rank[0]["counts"]
             run = {"P": P, "T_local": T_local, "min_s": best, "median_s": med,
                    "ratio_min": best["sharded"] / best["single"],
                    "ratio_median": med["sharded"] / med["single"],
+                   "planned_ratio_min": best["planned"] / best["single"],
+                   "planned_ratio_median": med["planned"] / med["single"],
                    "fixed_ms_per_layer": (best["sharded"] - best["single"]) / args.layers * 1e3,
-                   "counts_per_layer_call": {k: v / args.layers for k, v in sorted(counts.items())}}
+                   "planned_fixed_ms_per_layer":
+                       (best["planned"] - best["single"]) / args.layers * 1e3,
+                   "counts_per_layer_call": {
+                       n: {k: v / args.layers for k, v in sorted(c.items())}
+                       for n, c in per_rank[0]["counts"].items()}}
             data["runs"].append(run)
-            print(f"P={P} T/P={T_local}: sharded {best['sharded'] * 1e3:.1f} ms, single "
-                  f"{best['single'] * 1e3:.1f} ms, x{run['ratio_min']:.3f} (median "
-                  f"x{run['ratio_median']:.3f}), {run['fixed_ms_per_layer']:.2f} ms per layer; "
-                  f"per layer call {run['counts_per_layer_call']}", flush=True)
+            print(f"P={P} T/P={T_local}: single {best['single'] * 1e3:.1f} ms; sharded "
+                  f"x{run['ratio_min']:.3f} (median x{run['ratio_median']:.3f}, "
+                  f"{run['fixed_ms_per_layer']:.2f} ms per layer); with a batch plan "
+                  f"x{run['planned_ratio_min']:.3f} (median x{run['planned_ratio_median']:.3f}, "
+                  f"{run['planned_fixed_ms_per_layer']:.2f} ms per layer); per layer call "
+                  f"{run['counts_per_layer_call']}", flush=True)
     path = save(args.name, data)
     print(f"wrote {path}")
     plot(data, RESULTS / f"{args.name}.png")
@@ -172,8 +188,11 @@ def plot(data: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for P in sorted({r["P"] for r in data["runs"]}):
         rows = [r for r in data["runs"] if r["P"] == P]
-        ax.plot([r["T_local"] for r in rows], [r["ratio_min"] for r in rows], "o-",
-                label=f"P = {P}")
+        line, = ax.plot([r["T_local"] for r in rows], [r["ratio_min"] for r in rows], "o-",
+                        label=f"P = {P}, a plan per call")
+        ax.plot([r["T_local"] for r in rows], [r.get("planned_ratio_min", float("nan"))
+                                               for r in rows], "s--", color=line.get_color(),
+                label=f"P = {P}, a plan per batch")
     ax.axhline(1.0, color="k", lw=0.8)
     c = data["config"]
     ax.set(xscale="log", xlabel="T / P (tokens per rank)",
