@@ -33,7 +33,14 @@ import torch
 
 from hla_sp.ops.chunk import chunk_backward, chunk_forward
 from hla_sp.ops.dispatch import backend_for, triton_chunk_backward, triton_chunk_forward
-from hla_sp.ops.isolation import bad_tokens, poison_grads, poison_outputs
+from hla_sp.ops.isolation import (
+    backward_flags,
+    bad_state,
+    bad_tokens,
+    known_finite,
+    poison_grads,
+    poison_outputs,
+)
 from hla_sp.ops.one_token import needs_grad, one_token
 from hla_sp.ops.precision import compute_dtype
 
@@ -62,12 +69,16 @@ def chunk_linear_attention_op(
     Both backends compute on clean operands; the poison of non-finite inputs is put
     back here, by flags (:mod:`hla_sp.ops.isolation`). The flags of k, v and g are an
     output so that the backward reads them instead of reducing k and v again."""
+    bad = bad_tokens(k, v, g)
     if backend == "triton":
         o, h = triton_chunk_forward(q, k, v, g, resets, h0, chunk_size)
     else:
+        # On the CPU, finite inputs skip the cleaning and the poisoning (identities then).
+        clean = not known_finite(q, bad, bad_state(h0))
         # Contiguous and never an alias of h0, as the fake and the operator rules require.
-        o, h = chunk_forward(q, k, v, g, resets, h0, chunk_size)
-    bad = bad_tokens(k, v, g)
+        o, h = chunk_forward(q, k, v, g, resets, h0, chunk_size, clean=clean)
+        if not clean:
+            return o, h, bad
     poison_outputs(o, h, bad, g, resets, h0)
     return o, h, bad
 
@@ -100,13 +111,18 @@ def chunk_linear_attention_bwd_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of :func:`chunk_linear_attention_op` (``bad``: its third output); dg,
     dh0 empty when g, h0 are None."""
+    flags = backward_flags(q, bad, do)
     if backend == "triton":
         dq, dk, dv, dg, dh0 = triton_chunk_backward(
             q, k, v, g, resets, h0, do, dht, chunk_size
         )
+        clean = True
     else:
-        dq, dk, dv, dg, dh0 = chunk_backward(q, k, v, g, resets, h0, do, dht, chunk_size)
-    poison_grads([dq, dk, dv, dg], dh0, q, bad, g, resets, h0, do, dht)
+        clean = not known_finite(q, flags, bad_state(h0), bad_state(dht))
+        dq, dk, dv, dg, dh0 = chunk_backward(q, k, v, g, resets, h0, do, dht, chunk_size,
+                                             clean=clean)
+    if clean:
+        poison_grads([dq, dk, dv, dg], dh0, q, flags, g, resets, h0, dht)
     # Contiguous, in the inputs' dtypes: exactly what the fake below promises.
     # (Two distinct empties: outputs of an operator may not alias each other.)
     dg = q.new_empty(0) if dg is None else dg.to(g.dtype).contiguous()

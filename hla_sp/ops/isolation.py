@@ -155,15 +155,31 @@ def poison_outputs(
         poison_(h_last, pz[:, -1])
 
 
+def backward_flags(q: Tensor, bad: Tensor, do: Tensor) -> Tensor | None:
+    """[B, T, H] bool: the tokens whose q, k, v, decay or output cotangent is non-finite
+    (``bad``: the forward's :func:`bad_tokens`); None for T = 0."""
+    return None if q.shape[1] == 0 else bad | bad_rows(q) | bad_rows(do)
+
+
+def known_finite(x: Tensor, *flags: Tensor | None) -> bool:
+    """Whether x is on the CPU and none of ``flags`` is set: the cleaning and the
+    poisoning are then identities, and the torch path skips them.
+
+    Only on the CPU, where reading a flag is a read of host memory, not a device
+    synchronisation; on a GPU nothing is read and every step runs (the Triton kernels
+    clean at the load). The flags are computed either way: they decide the poison."""
+    if x.device.type != "cpu":
+        return False
+    return not any(bool(f.any()) for f in flags if f is not None)
+
+
 def poison_grads(
-    grads: list[Tensor | None], dh0: Tensor | None, q: Tensor, bad: Tensor,
-    g: Tensor | None, resets: Tensor | None, h0: Tensor | None, do: Tensor,
-    dht: Tensor | None,
+    grads: list[Tensor | None], dh0: Tensor | None, q: Tensor, bad: Tensor | None,
+    g: Tensor | None, resets: Tensor | None, h0: Tensor | None, dht: Tensor | None,
 ) -> None:
     """In place: NaN into the per-token gradients ``grads`` ([B, T, H, .] or dg [B, T, H])
     and dh0 [B, H, K, V] on every segment the backward's poison reaches (module note);
-    ``bad`` [B, T, H]: the forward's :func:`bad_tokens` of k, v, g."""
-    bad = None if q.shape[1] == 0 else bad | bad_rows(q) | bad_rows(do)
+    ``bad`` [B, T, H]: :func:`backward_flags` (None for T = 0)."""
     poison_segments(grads, [dh0], bad, cuts(resets, g, q), bad_state(h0), bad_state(dht))
 
 

@@ -92,6 +92,7 @@ def cut_tokens(x: Tensor, C: int, dtype: torch.dtype, clean: bool = True) -> Ten
 def prepare(
     q: Tensor | None, k: Tensor | None, v: Tensor | None, g: Tensor | None,
     resets: Tensor | None, C: int, intra: bool = True, clean_q: bool = True,
+    clean: bool = True,
 ) -> Chunks:
     """Cut a block [B, T, H, .] into chunks of C tokens; ``intra=False`` skips D (the
     [C, C] in-chunk decays, the costly part), for passes that only touch the states,
@@ -100,15 +101,16 @@ def prepare(
 
     The copies are clean (:mod:`hla_sp.ops.isolation`): non-finite entries are 0, and
     a NaN or +inf log-decay is 0; the callers put the poison back by flags. A forward
-    may pass ``clean_q=False``: a non-finite q_t only reaches o_t, which it should."""
+    may pass ``clean_q=False``: a non-finite q_t only reaches o_t, which it should;
+    ``clean=False`` cleans nothing (inputs known finite)."""
     ref = next(x for x in (q, k, v) if x is not None)
     B, T, H, _ = ref.shape
     N = -(-T // C)
     pad = N * C - T
     cdt = compute_dtype(ref.dtype)
-    qc = None if q is None else cut_tokens(q, C, cdt, clean_q)
-    kc = None if k is None else cut_tokens(k, C, cdt)
-    vc = None if v is None else cut_tokens(v, C, cdt)
+    qc = None if q is None else cut_tokens(q, C, cdt, clean_q and clean)
+    kc = None if k is None else cut_tokens(k, C, cdt, clean)
+    vc = None if v is None else cut_tokens(v, C, cdt, clean)
     causal = torch.ones(C, C, dtype=torch.bool, device=ref.device).tril()
     D: Tensor | None = None
     seg: Tensor | None = None

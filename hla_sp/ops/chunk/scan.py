@@ -30,9 +30,15 @@ def _part(x: Tensor | None, t0: int, t1: int) -> Tensor | None:
     return None if x is None else x[:, t0:t1]
 
 
+def _carry(h: Tensor, cdt: torch.dtype, clean: bool) -> Tensor:
+    """A carried state [B, H, K, V] in the compute dtype: a new tensor (never an alias
+    of h), non-finite entries set to 0 with ``clean``."""
+    return finite(h.to(cdt)) if clean else h.to(cdt, copy=True)
+
+
 def chunk_forward(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, resets: Tensor | None,
-    h0: Tensor | None, chunk_size: int,
+    h0: Tensor | None, chunk_size: int, clean: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Decayed causal linear attention, forward, without autograd, block by block.
 
@@ -44,6 +50,8 @@ def chunk_forward(
             position 0 must be False: the carry into position 0 is ``h0``.
         h0: [B, H, K, V] carry into position 0, or None for zero.
         chunk_size: C, the chunk length.
+        clean: clean the operands (non-finite entries to 0); False when the caller
+            knows k, v and h0 finite (:func:`hla_sp.ops.isolation.known_finite`).
 
     Returns o [B, T, H, V] (contiguous) and h_last [B, H, K, V], in the compute dtype,
     computed on clean operands: the caller puts the poison of non-finite inputs back
@@ -53,14 +61,15 @@ def chunk_forward(
     V = v.shape[-1]
     cdt = compute_dtype(q.dtype)
     # clean, and never an alias of h0 (the caller puts a non-finite h0's poison back)
-    h = torch.zeros(B, H, K, V, dtype=cdt, device=q.device) if h0 is None else finite(h0.to(cdt))
+    h = (torch.zeros(B, H, K, V, dtype=cdt, device=q.device) if h0 is None
+         else _carry(h0, cdt, clean))
     if T == 0:  # an empty shard: no outputs, and the carry passes through unchanged
         return q.new_zeros(B, 0, H, V, dtype=cdt), h
     o = q.new_empty(B, T, H, V, dtype=cdt)
     with torch.no_grad():
         for t0, t1 in block_ranges(T, chunk_size, B * H * (K + V)):
             ch = prepare(q[:, t0:t1], k[:, t0:t1], v[:, t0:t1], _part(g, t0, t1),
-                         _part(resets, t0, t1), chunk_size, clean_q=False)
+                         _part(resets, t0, t1), chunk_size, clean_q=False, clean=clean)
             h_in, h = incoming_states(ch, h)
             attn = (ch.qc @ ch.kc.transpose(-1, -2)).mul_(ch.D)  # [B, H, N, C, C]
             ob = addmm(attn @ ch.vc, weighted(ch.qc, ch.wc), h_in)
@@ -71,9 +80,10 @@ def chunk_forward(
 
 def chunk_backward(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, resets: Tensor | None,
-    h0: Tensor | None, do: Tensor, dht: Tensor | None, chunk_size: int,
+    h0: Tensor | None, do: Tensor, dht: Tensor | None, chunk_size: int, clean: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
-    """Gradients of :func:`chunk_forward` from its inputs alone (everything recomputed).
+    """Gradients of :func:`chunk_forward` from its inputs alone (everything recomputed;
+    ``clean`` as there, for q, k, v, do, h0 and dht).
 
     With the cotangents do [B, T, H, V] and dht [B, H, K, V] (or None), per chunk, with
     A = (Q K^T) ⊙ D, dA = dO V^T and dH the gradient of the state after the chunk:
@@ -96,7 +106,8 @@ def chunk_backward(
     V = v.shape[-1]
     cdt = compute_dtype(q.dtype)
     C = chunk_size
-    dh = torch.zeros(B, H, K, V, dtype=cdt, device=q.device) if dht is None else finite(dht.to(cdt))
+    dh = (torch.zeros(B, H, K, V, dtype=cdt, device=q.device) if dht is None
+          else _carry(dht, cdt, clean))
     if T == 0:
         zq, zv = q.new_zeros(B, 0, H, K, dtype=cdt), q.new_zeros(B, 0, H, V, dtype=cdt)
         dg = None if g is None else q.new_zeros(B, 0, H, dtype=cdt)
@@ -106,11 +117,12 @@ def chunk_backward(
     def block(t0: int, t1: int, states_only: bool = False) -> Chunks:
         # the first pass needs only the states: no q, no in-chunk decays
         return prepare(None if states_only else q[:, t0:t1], k[:, t0:t1], v[:, t0:t1],
-                       _part(g, t0, t1), _part(resets, t0, t1), C, intra=not states_only)
+                       _part(g, t0, t1), _part(resets, t0, t1), C, intra=not states_only,
+                       clean=clean)
 
     with torch.no_grad():
         h = (torch.zeros(B, H, K, V, dtype=cdt, device=q.device) if h0 is None
-             else finite(h0.to(cdt)))
+             else _carry(h0, cdt, clean))
         entries = []
         for t0, t1 in blocks[:-1]:
             entries.append(h)
@@ -122,7 +134,7 @@ def chunk_backward(
         dg = None if g is None else q.new_empty(B, T, H, dtype=cdt)
         for (t0, t1), h_entry in zip(reversed(blocks), reversed(entries)):
             ch = block(t0, t1)
-            do_chunks = cut_tokens(do[:, t0:t1], C, cdt)  # [B, H, N, C, V], clean
+            do_chunks = cut_tokens(do[:, t0:t1], C, cdt, clean)  # [B, H, N, C, V]
             bq, bk, bv, bg, dh = block_backward(ch, h_entry, do_chunks, dh, g is not None)
             dq[:, t0:t1] = to_tokens(bq, t1 - t0)
             dk[:, t0:t1] = to_tokens(bk, t1 - t0)
