@@ -270,3 +270,29 @@ def test_fused_hla2_sequential_refuses_spilling_configurations(kernels: ModuleTy
             assert dict(kernels.LAUNCHES) == launches  # nothing ran
     finally:
         torch.set_float32_matmul_precision(before_prec)
+
+
+def test_sequential_refuses_unmeasured_supersets_of_refused() -> None:
+    """A configuration not measured ahead of time is refused when it has every input
+    (decay, documents, states) of a measured one over the spill limit, and admitted
+    when no such one exists; the message says it was not measured."""
+    from hla_sp.kernels.hla2_fused import SEQUENTIAL_MEASURED, SPILL_LIMIT, sequential_refusal
+
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    refused = [k for k, v in SEQUENTIAL_MEASURED.items()
+               if max(v.values()) > SPILL_LIMIT and k[0] in dtypes]
+    assert refused
+    checked = 0
+    for name, BK, BV, decay, docs, states in refused:
+        for extra in ((True, True, True),):
+            key = (name, BK, BV, *extra)
+            if key in SEQUENTIAL_MEASURED or not all(
+                    b >= a for a, b in zip((decay, docs, states), extra)):
+                continue
+            msg = sequential_refusal(dtypes[name], BK, BV, *extra)
+            assert msg is not None and "not measured" in msg, (key, msg)
+            checked += 1
+    assert checked
+    # Nothing measured over the limit below it: admitted (bf16, K = 128, states alone).
+    assert ("bf16", 128, 32, False, False, True) not in SEQUENTIAL_MEASURED
+    assert sequential_refusal(torch.bfloat16, 128, 32, False, False, True) is None
