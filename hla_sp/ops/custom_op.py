@@ -72,14 +72,14 @@ def chunk_linear_attention_op(
     bad = bad_tokens(k, v, g)
     if backend == "triton":
         o, h = triton_chunk_forward(q, k, v, g, resets, h0, chunk_size)
+        clean = True
     else:
         # On the CPU, finite inputs skip the cleaning and the poisoning (identities then).
         clean = not known_finite(q, bad, bad_state(h0))
         # Contiguous and never an alias of h0, as the fake and the operator rules require.
         o, h = chunk_forward(q, k, v, g, resets, h0, chunk_size, clean=clean)
-        if not clean:
-            return o, h, bad
-    poison_outputs(o, h, bad, g, resets, h0)
+    if clean:
+        poison_outputs(o, h, bad, g, resets, h0)
     return o, h, bad
 
 
