@@ -216,3 +216,29 @@ def test_batch_plan_is_frozen() -> None:
     assert isinstance(plan, BatchPlan)
     with pytest.raises(AttributeError):
         plan.T = 3  # type: ignore[misc]
+
+
+def _short_shards_task(rank: int, world_size: int) -> int:
+    """Three calls of each log_decay kind under check="auto" on shards of 0, 1 and 19
+    tokens: the first call is fully checked, the later ones by their signature."""
+    from hla_sp import SequenceParallel
+
+    lengths = [0, 1, 19]
+    sp = SequenceParallel(layout="contiguous")
+    plan = sp.plan_batch(lengths[rank])
+    g = torch.Generator().manual_seed(rank)
+    q = torch.randn(1, lengths[rank], 2, 4, generator=g)
+    calls = 0
+    for log_decay in (torch.tensor([-0.1, -0.2]), -torch.rand(1, lengths[rank], 2, generator=g)):
+        for _ in range(3):
+            hla_sp.hla2(q, q, q, log_decay=log_decay, sp=sp, plan=plan)
+            calls += 1
+    return calls
+
+
+@pytest.mark.timeout(300)
+def test_signature_agrees_on_shards_shorter_than_two_tokens(world) -> None:
+    """A shard of fewer than 2 tokens cannot tell a per-head log_decay from a per-token
+    one, so the signature hashes only that one is given: the later calls of an agreed
+    call pass on every rank (they used to fail the signature on the short shards)."""
+    assert world(3).run(_short_shards_task, timeout=240) == [6, 6, 6]

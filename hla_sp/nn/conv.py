@@ -68,7 +68,9 @@ class _Layout:
             mine = todo & (src >= s) & (src < s + n)
             out = torch.where(mine, first + off + src - s, out)
             todo = todo & ~mine
-        if self.plan is not None and bool(todo.any()):
+        # Under torch.compile the table is graph ops, and the test would read it: where
+        # nothing is left to do, the select is a no-op anyway.
+        if self.plan is not None and (torch.compiler.is_compiling() or bool(todo.any())):
             out = torch.where(todo, first + T + halo.tail_rows(self.plan, src.clamp(min=0),
                                                                W - 1), out)
         return out

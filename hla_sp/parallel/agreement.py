@@ -61,6 +61,19 @@ def hash63(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
 
 
+_FNV_OFFSET, _FNV_PRIME, _U64 = 0xCBF29CE484222325, 0x100000001B3, (1 << 64) - 1
+
+
+def facts_hash(facts: object) -> int:
+    """A 63-bit hash of ``repr(facts)`` (FNV-1a), the same in every process. Plain Python
+    on purpose: under torch.compile the facts are the graph's constants and dynamo
+    folds this at trace time, where hashlib's blake2b (:func:`hash63`) does not trace."""
+    h = _FNV_OFFSET
+    for ch in repr(facts):
+        h = ((h ^ ord(ch)) * _FNV_PRIME) & _U64
+    return h >> 1
+
+
 def _float_bits(x: float) -> int:
     """The IEEE bits of a float as an int64 (exact, decoded by :func:`_bits_float`)."""
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
@@ -101,7 +114,7 @@ def tensor_digest(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
     dev = next(t.device for t in tensors if t is not None)
     acc = torch.zeros((), dtype=torch.int64, device=dev)
     for i, t in enumerate(tensors):
-        acc = acc * _MIX3 + (hash63(repr((i, None if t is None else tuple(t.shape))).encode()))
+        acc = acc * _MIX3 + facts_hash((i, None if t is None else tuple(t.shape)))
         if t is None or t.numel() == 0:
             continue
         # + 0.0 makes -0.0 into +0.0: equal values, equal bits.
@@ -172,11 +185,25 @@ def encode_option(value: object) -> tuple[int, list[int], list[torch.Tensor | No
         return _FLOAT, [_float_bits(value), *pad], None
     if isinstance(value, str):
         return _STR, _text_words(value), None
+    tensors = option_tensors(value)
+    return (_NONE, [0, *pad], None) if tensors is None else (_TENSOR, [0, *pad], tensors)
+
+
+def is_plain(value: object) -> bool:
+    """An option value compared exactly: None, a bool, an int64, a float or a str."""
+    return (value is None or isinstance(value, (bool, float, str))
+            or (isinstance(value, int) and -(1 << 63) <= value < (1 << 63)))
+
+
+def option_tensors(value: object) -> list[torch.Tensor | None] | None:
+    """The tensors of an option value that is a tensor or a tuple of tensors (None
+    allowed), compared by digest; None for a plain value or only Nones. Any other
+    value is a TypeError."""
+    if is_plain(value):
+        return None
     items = list(value) if isinstance(value, (tuple, list)) else [value]
     if items and all(t is None or isinstance(t, torch.Tensor) for t in items):
-        if all(t is None for t in items):
-            return _NONE, [0, *pad], None
-        return _TENSOR, [0, *pad], items  # type: ignore[return-value]
+        return None if all(t is None for t in items) else items  # type: ignore[return-value]
     raise TypeError(
         "options: expected values that are None, bool, int, float, str, a tensor or a "
         f"tuple of tensors (None allowed), got {type(value).__name__}"

@@ -58,6 +58,20 @@ reduce_scatter_single = (
 )
 
 
+def gathered(x: torch.Tensor, group: dist.ProcessGroup, P: int) -> torch.Tensor:
+    """Every rank's ``x``, [P, *x.shape], as one functional all-gather: the form that
+    torch.compile traces (the eager paths use the asynchronous collectives above, in
+    their own autograd Functions). Differentiable: autograd's reverse is a
+    reduce-scatter, the sum over ranks of what each rank read from this rank's ``x``.
+    Its bytes are not counted (:func:`traffic` counts the eager paths)."""
+    if P == 1:
+        return x[None]
+    from torch.distributed._functional_collectives import all_gather_tensor_autograd
+
+    flat = x.contiguous().reshape(-1)
+    return all_gather_tensor_autograd(flat, 0, group).view(P, *x.shape)
+
+
 def size_bytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 

@@ -45,6 +45,11 @@ changes what sets the first collective's size (B, heads, head dims, dtype,
 rank's own shard (an odd zigzag length, offsets that do not end at T) raises on that
 rank alone.
 
+Under torch.compile the full check cannot run (it reads the host): ``check_call``
+returns a plan without it (:meth:`SequenceParallel._traced_plan`), and under "auto"
+the signature is the check of every call, the first included. "always", ring and
+tree, and a contiguous layout without a batch plan are refused there by name.
+
 :meth:`SequenceParallel.check_call` returns the call's plan (a
 :class:`~hla_sp.parallel.plan.Plan` with its signature), which the caller hands to
 every primitive stage of the call: ``SequenceParallel`` itself is configuration plus
@@ -68,6 +73,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 from hla_sp.parallel.agreement import disagreements, gather_rows, metadata_row, named_options
 from hla_sp.parallel.batch import plan_batch
+from hla_sp.parallel.exchange import zero_of
 from hla_sp.parallel.layouts import LAYOUTS, layout_pieces
 from hla_sp.parallel.plan import METHODS, Chain, Plan
 from hla_sp.parallel.primitive import sp_primitive
@@ -208,6 +214,8 @@ class SequenceParallel:
         bounds = None if docs is None else docs.bounds
         batch = self._batch_plan(docs, group, rank, P)
         named = named_options(options)
+        if torch.compiler.is_compiling():
+            return self._traced_plan(inputs, op, named, docs, batch, group, P)
         foldable = op.startswith(HALO_OPS) or self.method == "allgather"
         # Every rank's length follows from mine, or the batch plan gathered them.
         known = self.layout == "zigzag" or P == 1 or batch is not None
@@ -241,6 +249,48 @@ class SequenceParallel:
             else tuple(layout_pieces(self.layout, list(lengths))),
             T=sum(lengths), bounds=bounds, needs_grad=needs_grad, chain=Chain(token),
             signature=signature, recheck=recheck,
+        )
+
+    def _traced_plan(
+        self, inputs: Inputs, op: str, named: list[tuple[str, object]],
+        docs: BatchPlan | None, batch: BatchPlan | None, group: dist.ProcessGroup, P: int,
+    ) -> Plan:
+        """:meth:`check_call` under torch.compile: no host read and no collective of its
+        own. Every rank's length must be known without asking (a batch plan, or the
+        zigzag layout), the exchange must be the all-gather (ring and tree run on helper
+        threads), and under ``check="auto"`` the signature is the whole check, on every
+        call (module docs)."""
+        if self.method != "allgather" and P > 1:
+            raise ValueError(
+                f"method: torch.compile traces method='allgather' only (ring and tree "
+                f"exchange on helper threads), got {self.method!r}")
+        if self.check == "always":
+            raise ValueError(
+                "check: 'always' reads every rank's call on the host, which a compiled "
+                "function cannot do; got 'always' under torch.compile: use 'auto' or "
+                "'never' there, and 'always' in eager mode to debug")
+        if batch is None and self.layout == "contiguous" and P > 1:
+            raise ValueError(
+                "plan: under torch.compile a contiguous layout needs the batch's plan "
+                "(sp.plan_batch(T_local, cu_seqlens), built outside the compiled "
+                "function: it learns every rank's length); got "
+                + ("offsets only" if docs is not None else "no plan"))
+        bounds = None if docs is None else docs.bounds
+        lengths = (inputs.T,) * P if batch is None else batch.lengths
+        problems = self._call_problems(lengths, bounds)
+        if problems:
+            raise ValueError("SequenceParallel: " + "; ".join(problems))
+        signature = None
+        if self.check == "auto" and P > 1:
+            signature = call_signature(inputs, op, named, 0 if docs is None else docs.digest,
+                                       lengths, self.layout, self.method)
+        return SignedPlan(
+            rank=dist.get_rank(group), world_size=P, group=group, method=self.method,
+            overlap=self.overlap, lengths=lengths,
+            pieces=batch.pieces if batch is not None
+            else tuple(layout_pieces(self.layout, list(lengths))),
+            T=sum(lengths), bounds=bounds, needs_grad=torch.is_grad_enabled(),
+            chain=Chain(zero_of(inputs.q, inputs.k, inputs.v, inputs.g)), signature=signature,
         )
 
     def plan_batch(self, T_local: int, cu_seqlens: torch.Tensor | None = None) -> BatchPlan:

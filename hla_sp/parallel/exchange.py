@@ -46,6 +46,7 @@ from hla_sp.parallel.comm import (  # noqa: F401  (re-exported: the counters' pu
     all_gather_single,
     blocked_seconds,
     count,
+    gathered,
     on_thread,
     reduce_scatter_single,
     reset_traffic,
@@ -109,8 +110,7 @@ def _allgather_start(plan: Plan, shape: S.SummaryShape, X: torch.Tensor) -> Pend
         gathered = Pending(wait)
 
     def fold(G: torch.Tensor) -> Scanned:
-        carries = S.exclusive_prefixes(shape, _global_order(plan, G), [p.m for p in plan.own])
-        return Scanned(carries, G, None)
+        return Scanned(_fold(plan, shape, G), G, None)
 
     return _Then(gathered, fold)
 
@@ -140,7 +140,7 @@ def _allgather_reverse(
     (asynchronous: the begin's backward waits for it)."""
     with torch.enable_grad():
         G = gathered.detach().requires_grad_(True)
-        carries = S.exclusive_prefixes(shape, _global_order(plan, G), [p.m for p in plan.own])
+        carries = _fold(plan, shape, G)
         dG = None
         if carries.requires_grad:
             (dG,) = torch.autograd.grad(carries, (G,), d, allow_unused=True)
@@ -202,9 +202,38 @@ def start(method: str, plan: Plan, shape: S.SummaryShape, X: torch.Tensor) -> Pe
     return method_of(method).start(plan, shape, X)
 
 
-def _global_order(plan: Plan, gathered: torch.Tensor) -> torch.Tensor:
-    """[P, n, D] gathered by rank -> [M, D] in global piece order."""
-    return torch.stack([gathered[p.owner, p.slot] for p in plan.pieces])
+def _fold(plan: Plan, shape: S.SummaryShape, G: torch.Tensor) -> torch.Tensor:
+    """Every rank's summaries [P, n, D] -> the carry into each of this rank's pieces
+    [n, D]: the all-gather method's local fold (the signatures compared on the way)."""
+    in_order = torch.stack([G[p.owner, p.slot] for p in plan.pieces])  # global piece order
+    return S.exclusive_prefixes(shape, in_order, [p.m for p in plan.own])
+
+
+def traced_scan(plan: Plan, shape: S.SummaryShape, X: torch.Tensor) -> torch.Tensor:
+    """The all-gather method as one differentiable expression, X [n, D] -> carries
+    [n, D]: a functional all-gather and the fold, which torch.compile traces. Autograd
+    derives the reverse (the fold's vector-Jacobian product, then a reduce-scatter),
+    the eager method's reverse."""
+    return _fold(plan, shape, traced_gather(plan, X))
+
+
+def zero_of(*xs: torch.Tensor | None) -> torch.Tensor:
+    """A 0-d fp32 zero that depends on ``xs`` in autograd without reading their values
+    (a select, not a product: a NaN in them stays out)."""
+    dep = sum(x.reshape(-1)[:1].sum().float() for x in xs if x is not None)
+    device = next(x.device for x in xs if x is not None)
+    return torch.where(torch.zeros((), dtype=torch.bool, device=device), dep, 0.0)
+
+
+def traced_gather(plan: Plan, x: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``x`` [P, *x.shape] by one functional all-gather (torch.compile's
+    form), on the call's token chain: its input takes the token and its output gives
+    the next. So, as in eager mode, every rank's backward runs every reduce-scatter of
+    the call, in the reverse of the forward order, whatever each rank's graph reads."""
+    chain = chain_of(plan)
+    out = gathered(x + chain.token.to(x.dtype), plan.group, plan.world_size)
+    chain.token = zero_of(out)
+    return out
 
 
 class Exchange:
@@ -324,7 +353,10 @@ def summed(plan: Plan, x: torch.Tensor, category: str) -> torch.Tensor:
 
 
 def all_reduce(plan: Plan, x: torch.Tensor) -> torch.Tensor:
-    """Sum ``x`` over the group (ordered by the call's token)."""
+    """Sum ``x`` over the group (ordered by the call's token; under torch.compile a
+    functional all-gather and a sum, whose reverse sums the gradients over ranks too)."""
+    if torch.compiler.is_compiling():
+        return traced_gather(plan, x).sum(0)
     chain = chain_of(plan)
     chain.token, out = _AllReduce.apply(chain.token, x, plan)
     return out
@@ -344,9 +376,12 @@ class _Tie(torch.autograd.Function):
 
 
 def tie(x: torch.Tensor, plan: Plan) -> torch.Tensor:
-    """``x`` tied to the call's latest token (a no-op when nothing needs gradients)."""
+    """``x`` tied to the call's latest token (a no-op when nothing needs gradients, and
+    under torch.compile an exact + 0 that depends on the token)."""
     if not plan.needs_grad:
         return x
+    if torch.compiler.is_compiling():
+        return x + chain_of(plan).token.to(x.dtype)
     return _Tie.apply(x, chain_of(plan).token)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from hla_sp.parallel.comm import all_gather_single, count, size_bytes
-from hla_sp.parallel.exchange import chain_of, summed
+from hla_sp.parallel.exchange import chain_of, summed, traced_gather
 from hla_sp.parallel.plan import Plan
 
 
@@ -77,7 +77,10 @@ class _GatherTails(torch.autograd.Function):
 
 
 def gather_tails(plan: Plan, tails: torch.Tensor) -> torch.Tensor:
-    """Every rank's tails [P, slots, B, W, C], ordered by the call's token."""
+    """Every rank's tails [P, slots, B, W, C], ordered by the call's token (under
+    torch.compile: one functional all-gather on the same token chain)."""
+    if torch.compiler.is_compiling():
+        return traced_gather(plan, tails)
     chain = chain_of(plan)
     chain.token, out = _GatherTails.apply(chain.token, tails, plan)
     return out

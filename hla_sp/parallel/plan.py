@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -62,9 +61,10 @@ class Plan:
         """
         return dataclasses.replace(self, chain=None)
 
-    @cached_property
+    @property
     def own(self) -> list[Piece]:
-        """This rank's pieces in local (slot) order."""
+        """This rank's pieces in local (slot) order (a property, not a cached one:
+        dynamo cannot trace cached_property's lock, and there are at most 2P pieces)."""
         return sorted((p for p in self.pieces if p.owner == self.rank), key=lambda p: p.slot)
 
     @property

@@ -21,6 +21,11 @@ single-process call's. Its backward mirrors that: d(carry) from dO first (the re
 exchange starts), then the terms that need only dO, and after the reverse exchange the
 terms through the states. The Triton kernels run steps 3 and 4 as written above.
 
+Under torch.compile, steps 1-4 are one expression the compiler traces and
+differentiates: the summaries, a functional all-gather and the fold
+(:func:`hla_sp.parallel.exchange.traced_scan`), the zero-state outputs and the carry's
+term; the compiler orders and overlaps the collective.
+
 With ``overlap=False`` (a :class:`~hla_sp.parallel.SequenceParallel` option for
 benchmarks) step 2 waits before step 3, in forward and in backward. The chunk algebra itself is
 :mod:`hla_sp.ops.chunk` and :func:`hla_sp.ops.linear_attention.local_primitive`, never
@@ -62,15 +67,24 @@ class Segment:
     ends_doc: bool  # the document ends at this segment's end
 
 
+def _count(xs: list[int], x: int, *, inclusive: bool) -> int:
+    """How many of the sorted ``xs`` are < x (<= x when ``inclusive``): bisect, or a
+    plain count under torch.compile, where the C bisect does not trace (at trace time
+    only: the graph holds the result as a constant)."""
+    if torch.compiler.is_compiling():
+        return sum(1 for c in xs if c < x or (inclusive and c == x))
+    return (bisect.bisect_right if inclusive else bisect.bisect_left)(xs, x)
+
+
 def _segments(p: Piece, starts: list[int], ends: set[int]) -> list[Segment]:
     """Cut piece ``p`` at the global document starts inside it."""
     if p.length == 0:
         return []
-    i0 = bisect.bisect_left(starts, p.start)
+    i0 = _count(starts, p.start, inclusive=False)
     inside = [(c - p.start, i) for i, c in enumerate(starts[i0:], start=i0) if c < p.end]
     cuts = [(0, CARRY)] if not inside or inside[0][0] > 0 else []
     cuts += inside
-    lead_doc = bisect.bisect_right(starts, p.start) - 1
+    lead_doc = _count(starts, p.start, inclusive=True) - 1
     segs = []
     for j, (b, src) in enumerate(cuts):
         e = cuts[j + 1][0] if j + 1 < len(cuts) else p.length
@@ -144,6 +158,31 @@ def sp_primitive(
         [_segments(p, starts, ends) for p in plan.own], h0_of,
         None if sig is None else S.signature_words(sig, cdt),
     )
+    if torch.compiler.is_compiling():
+        # One expression the compiler traces and differentiates (it orders and overlaps
+        # the collective itself): steps 1-4 without the split autograd Functions.
+        Xs, last_state = _summaries(call, q.device)
+        carries = exchange.traced_scan(plan, call.shape, Xs)
+        outs = _zero_state_outputs(call, h0 is not None, chunk_size)
+        carry_h = S.unpack(call.shape, carries)[0]
+        o = _add_carries(call, outs, carry_h)
+    else:
+        o, last_state, carry_h = _eager_steps(call, q, k, v, g, h0 is not None, chunk_size)
+    final = _final_states(call, last_state, carry_h, q.device) if want_final else None  # 5.
+    if q.shape[1] == 0:
+        # An empty shard's outputs read none of its inputs: tie them to the inputs (a sum
+        # of nothing is an exact 0), so that their .grad is an empty tensor, not None.
+        o = o + sum(x.sum() for x in (q, k, v, g) if x is not None) * 0
+    return exchange.tie(o.to(q.dtype), plan), final
+
+
+def _eager_steps(
+    call: _Call, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, has_h0: bool,
+    chunk_size: int,
+) -> tuple[Tensor, list, Tensor]:
+    """Steps 1-4 with the exchange in flight while the local outputs are computed.
+    Returns o [B, T_local, H, V], each piece's last (h, a) and the carries' states."""
+    plan = call.plan
     works = _split_works(call, chunk_size) if _use_split(q) else None
     Xs, last_state = _summaries(call, q.device, works)  # 1.
     ex, Xs = exchange.begin(plan, call.shape, Xs, (q, k, v, g))  # 2.
@@ -151,7 +190,7 @@ def sp_primitive(
     if not plan.overlap:
         carries = exchange.scan(plan, call.shape, ex, Xs)
     if works is None:  # 3.
-        outs = _zero_state_outputs(call, h0 is not None, chunk_size)
+        outs = _zero_state_outputs(call, has_h0, chunk_size)
     else:
         for work in works:
             if work is not None:
@@ -162,13 +201,8 @@ def sp_primitive(
     if works is None:  # 4.
         o = _add_carries(call, outs, carry_h)
     else:
-        o = _split_outputs(call, works, carries, carry_h, ex, h0 is not None)
-    final = _final_states(call, last_state, carry_h, q.device) if want_final else None  # 5.
-    if q.shape[1] == 0:
-        # An empty shard's outputs read none of its inputs: tie them to the inputs (a sum
-        # of nothing is an exact 0), so that their .grad is an empty tensor, not None.
-        o = o + sum(x.sum() for x in (q, k, v, g) if x is not None) * 0
-    return exchange.tie(o.to(q.dtype), plan), final
+        o = _split_outputs(call, works, carries, carry_h, ex, has_h0)
+    return o, last_state, carry_h
 
 
 def _use_split(q: Tensor) -> bool:

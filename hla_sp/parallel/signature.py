@@ -13,7 +13,13 @@ from dataclasses import dataclass
 import torch
 
 from hla_sp.ops.validate import Inputs
-from hla_sp.parallel.agreement import decay_kind, encode_option, hash63, tensor_digest
+from hla_sp.parallel.agreement import (
+    decay_kind,
+    facts_hash,
+    is_plain,
+    option_tensors,
+    tensor_digest,
+)
 from hla_sp.parallel.plan import Plan
 from hla_sp.parallel.summaries import SIGNATURE_MISMATCH
 
@@ -60,18 +66,24 @@ def call_signature(
     lengths (every rank must use the same). The document offsets enter as the digest
     their plan computed once (``BatchPlan.digest``; 0 without offsets)."""
     kind, constant = decay_kind(inputs.g)
+    if min(lengths) < 2:
+        # A shard of fewer than 2 tokens cannot tell a per-head constant from a per-token
+        # log_decay (agreement.decay_kind), so no rank hashes more than "given".
+        kind, constant = int(inputs.g is not None), None
     host: list[object] = [
         op, inputs.B, inputs.H, inputs.K, inputs.V, str(inputs.q.dtype), layout,
         method, inputs.scale, kind, bounds_digest, torch.is_grad_enabled(), lengths,
     ]
     tensors: list[torch.Tensor | None] = [constant]
     for name, value in named:
-        code, payload, ts = encode_option(value)
-        host.append((name, code, payload if ts is None else
+        # The value itself (its repr is hashed), or its tensors' shapes and dtypes (their
+        # values enter by the digest below). Plain Python, so that dynamo folds it.
+        ts = option_tensors(value)
+        host.append((name, value if is_plain(value) else None if ts is None else
                      tuple(None if t is None else (tuple(t.shape), str(t.dtype)) for t in ts)))
         tensors.extend(ts or [])
     dev = inputs.q.device
-    sig = torch.full((), hash63(repr(host).encode()), dtype=torch.int64, device=dev)
+    sig = torch.full((), facts_hash(host), dtype=torch.int64, device=dev)
     if any(t is not None and t.numel() for t in tensors):
         sig = sig * _SIG_MIX + tensor_digest([t for t in tensors]).to(dev)
     sig = sig * 2 + (1 if inputs.g is None else decay_ok(inputs.g))
