@@ -133,6 +133,25 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def markdown(results: list[dict[str, Any]]) -> str:
+    """The per-mixer summary and every seed's figure as markdown (docs/quality.md)."""
+    def spread(row: dict[str, Any], key: str) -> str:
+        if f"{key}_mean" not in row:
+            return "-"
+        return (f"{row[f'{key}_mean']:.3f} ± {row[f'{key}_std']:.3f} "
+                f"[{row[f'{key}_min']:.3f}, {row[f'{key}_max']:.3f}]")
+
+    lines = ["| mixer | parameters | seeds | bits/byte at T, mean ± std [min, max] | "
+             f"at {LONG}T | per seed at T |", "|---|---|---|---|---|---|"]
+    for row in summarize(results):
+        seeds = sorted((r["seed"], r["valid_bpb"]) for r in results if r["mixer"] == row["mixer"])
+        per_seed = ", ".join(f"{s}: {b:.3f}" for s, b in seeds)
+        lines.append(f"| {row['mixer']} | {row['params']:,} | {row['seeds']} | "
+                     f"{spread(row, 'valid_bpb')} | {spread(row, 'valid_bpb_4x')} | "
+                     f"{per_seed} |")
+    return "\n".join(lines)
+
+
 def plot(results: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -173,7 +192,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_lm")
     ap.add_argument("--name", default="lm", help="stem of the JSON and PNG files")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 4 steps, T=32, 1 seed")
+    ap.add_argument("--table", action="store_true",
+                    help="print the summary of <out>/<name>.json as markdown; train nothing")
     a = ap.parse_args(argv)
+    if a.table:
+        print(markdown(json.loads((a.out / f"{a.name}.json").read_text())["results"]))
+        return
     mixers = [m.strip() for m in a.mixers.split(",") if m.strip()]
     for m in mixers:
         if m not in MIXERS:

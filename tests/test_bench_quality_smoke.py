@@ -53,3 +53,10 @@ def test_recall_and_lm_quick_runs_write_json_and_png(tmp_path: Path) -> None:
     assert {r["mixer"] for r in lm["results"]} == {"linear", "hla2"}
     assert all(0 < r["valid_loss"] < 10 for r in lm["results"])
     assert (tmp_path / "lm.png").stat().st_size > 0
+    table = subprocess.run([sys.executable, str(BENCH / "bench_lm.py"), "--table", "--out",
+                            str(tmp_path)], capture_output=True, text=True, timeout=120,
+                           check=True).stdout.splitlines()
+    rows = {line.split(" | ")[0].strip("| ") for line in table[2:]}
+    assert rows == {"linear", "hla2"}, table
+    for r in lm["results"]:  # each seed's figure, as the JSON holds it
+        assert any(f"{r['seed']}: {r['valid_bpb']:.3f}" in line for line in table), table
