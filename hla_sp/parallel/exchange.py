@@ -29,6 +29,11 @@ this: the scan's backward starts the reverse exchange (an asynchronous reduce-sc
 or ring/tree on a helper thread) and the begin's backward waits for it, so the
 backward of the local outputs runs while the summaries' gradients travel. Bytes sent
 by this rank are counted per category (:mod:`hla_sp.parallel.comm`).
+
+Under torch.compile none of this traces (helper threads, Python objects in autograd
+contexts): the all-gather method becomes a functional all-gather and the same fold
+(:func:`traced_scan`), and the token chain a chain of exact zeros that depend on each
+all-gather's output (:func:`traced_gather`); autograd derives the reverse.
 """
 
 from __future__ import annotations
