@@ -343,6 +343,15 @@ def solved(stopped_at: int | None, acc: float) -> bool:
     return stopped_at is not None or acc >= SOLVED
 
 
+def load_results(path: Path) -> list[dict[str, Any]]:
+    """The runs stored in ``path``, each run's ``solved`` recomputed by ``solved()``: runs
+    written before the rule counted an early stop store the older flag."""
+    results = json.loads(path.read_text())["results"]
+    for r in results:
+        r["solved"] = solved(r["stopped_at"], r["acc"])
+    return results
+
+
 def _job(kw: dict[str, Any]) -> dict[str, Any]:
     return train(**kw)
 
@@ -485,7 +494,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="print the summary of <out>/<name>.json as markdown; train nothing")
     a = ap.parse_args(argv)
     if a.table:
-        print(markdown(json.loads((a.out / f"{a.name}.json").read_text())["results"]))
+        print(markdown(load_results(a.out / f"{a.name}.json")))
         return
     mixers = list(MIXERS) if a.mixers == "all" else [
         m.strip() for m in a.mixers.split(",") if m.strip()]
@@ -499,7 +508,7 @@ def main(argv: list[str] | None = None) -> None:
     out_json = a.out / f"{a.name}.json"
     results: list[dict[str, Any]] = []
     if out_json.exists():
-        results = json.loads(out_json.read_text())["results"]
+        results = load_results(out_json)
     done = {run_key(r) for r in results}
     if a.lrs == "best":
         best = {c["mixer"]: c["lr"] for c in summarize(results) if c["best_lr"] and
@@ -537,8 +546,7 @@ def main(argv: list[str] | None = None) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if out_json.exists():
             mine = {run_key(x) for x in results}
-            results.extend(x for x in json.loads(out_json.read_text())["results"]
-                           if run_key(x) not in mine)
+            results.extend(x for x in load_results(out_json) if run_key(x) not in mine)
         print(f"T={r['T']:4d} pairs={r['pairs']:3d} d={r['d_model']:3d} {r['mixer']:14s} "
               f"lr {r['lr']:.0e} seed {r['seed']}: acc {r['acc']:.3f} loss {r['loss']:.3f} "
               f"to-0.9 {r['steps_to_0.9']} ({r['seconds']:.0f} s)", flush=True)

@@ -60,3 +60,17 @@ def test_recall_and_lm_quick_runs_write_json_and_png(tmp_path: Path) -> None:
     assert rows == {"linear", "hla2"}, table
     for r in lm["results"]:  # each seed's figure, as the JSON holds it
         assert any(f"{r['seed']}: {r['valid_bpb']:.3f}" in line for line in table), table
+
+
+def test_recall_results_load_with_the_solved_rule(tmp_path: Path) -> None:
+    """A run stored with a stale flag (an early stop at 0.99 whose larger final check read
+    0.987) loads as solved; a run that neither stopped nor reached 0.99 does not."""
+    sys.path.insert(0, str(BENCH))
+    from bench_recall import load_results
+
+    runs = [{"stopped_at": 2500, "acc": 0.987, "solved": False},
+            {"stopped_at": None, "acc": 0.991, "solved": False},
+            {"stopped_at": None, "acc": 0.985, "solved": True}]
+    path = tmp_path / "grid.json"
+    path.write_text(json.dumps({"results": runs}))
+    assert [r["solved"] for r in load_results(path)] == [True, True, False]
