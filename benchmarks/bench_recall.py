@@ -82,6 +82,9 @@ MIXERS: dict[str, dict[str, Any]] = {
     "hla2-frozen": {"operator": "hla2", "mix_norm": False, "freeze": ("key_mix",)},
     "hla2-data": {"operator": "hla2", "decay": "data"},
     "hla2-ridge": {"operator": "hla2", "ridge": 1.0},
+    # a's own learning rate, 0.1x the rest: Adam moves a by about the rate per step
+    # whatever its gradient, and on the plateau that walk weighs a growing k~ (quality.md).
+    "hla2-slowmix": {"operator": "hla2", "mix_lr": 0.1},
     # The decay schedule, studied: the learned decay starting at gamma = 1 - 2^-e with e
     # spread over (lo, hi) instead of the layer's (5, 12). (8, 12) starts the fastest
     # head with a window of 256 tokens (the whole of T = 256) instead of 32.
@@ -98,7 +101,7 @@ MIXERS: dict[str, dict[str, Any]] = {
 }
 DEFAULT_MIXERS = ("softmax", "linear", "gated-linear", "hla2", "ahla", "hla3")
 # The keys of a spec that are not HLAttention options.
-_SPEC_KEYS = ("softmax", "positions", "freeze", "rope", "decay_log2")
+_SPEC_KEYS = ("softmax", "positions", "freeze", "rope", "decay_log2", "mix_lr")
 
 
 def mqar_batch(batch: int, T: int, pairs: int, gen: torch.Generator,
@@ -288,6 +291,19 @@ def mix_diagnostics(model: nn.Module, x: torch.Tensor) -> list[dict[str, Any]] |
     return out
 
 
+def param_groups(model: nn.Module, lr: float, mix_lr: float) -> list[dict[str, Any]]:
+    """The trainable parameters, the mix weights (``key_mix``, ``value_mix``) in a group of
+    their own at ``mix_lr`` times the rate (the group is left out when it is empty). At
+    ``mix_lr`` 1 one group, as before the option, so earlier runs reproduce bitwise."""
+    if mix_lr == 1.0:
+        return [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    mix, rest = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (mix if name.endswith(("key_mix", "value_mix")) else rest).append(p)
+    return [g for g in ({"params": rest}, {"params": mix, "lr": lr * mix_lr}) if g["params"]]
+
+
 def train(mixer: str, T: int, pairs: int, steps: int, batch: int, lr: float = 3e-3,
           seed: int = 0, d: int = D_MODEL, eval_every: int = 100,
           early_stop: float | None = SOLVED, threads: int = 1) -> dict[str, Any]:
@@ -298,8 +314,8 @@ def train(mixer: str, T: int, pairs: int, steps: int, batch: int, lr: float = 3e
     ex, ey = mqar_batch(EVAL_SAMPLES, T, pairs, torch.Generator().manual_seed(10_000 + T))
     probe = mqar_batch(16, T, pairs, torch.Generator().manual_seed(20_000 + T))[0]
     model = RecallLM(mixer, T, d=d)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
-                            weight_decay=0.1)
+    opt = torch.optim.AdamW(param_groups(model, lr, MIXERS[mixer].get("mix_lr", 1.0)),
+                            lr=lr, weight_decay=0.1)
     warm = max(1, steps // 10)
 
     def lr_at(s: int) -> float:

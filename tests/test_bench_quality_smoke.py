@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,3 +75,20 @@ def test_recall_results_load_with_the_solved_rule(tmp_path: Path) -> None:
     path = tmp_path / "grid.json"
     path.write_text(json.dumps({"results": runs}))
     assert [r["solved"] for r in load_results(path)] == [True, True, False]
+
+
+def test_recall_mix_weights_get_their_own_rate() -> None:
+    """hla2-slowmix puts every key_mix/value_mix in a group at 0.1x the rate, the rest at
+    the rate; at rate 1, or without mix weights, there is one group."""
+    sys.path.insert(0, str(BENCH))
+    from bench_recall import MIXERS, RecallLM, param_groups
+
+    model = RecallLM("hla2-slowmix", 16)
+    groups = param_groups(model, 3e-3, MIXERS["hla2-slowmix"]["mix_lr"])
+    assert len(groups) == 2 and groups[1]["lr"] == pytest.approx(3e-4)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert sorted(names[id(p)].rsplit(".", 1)[-1] for p in groups[1]["params"]) == [
+        "key_mix", "key_mix"]  # one per layer; hla2 has no value_mix
+    assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
+    assert len(param_groups(RecallLM("hla2", 16), 3e-3, 1.0)) == 1
+    assert len(param_groups(RecallLM("linear", 16), 3e-3, 0.1)) == 1  # no mix weights
