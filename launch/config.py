@@ -155,6 +155,10 @@ class TrainConfig:
     or weight-prefix pairs as Megatron takes them (0.5 A 0.5 B), blended by weight."""
     recall_pairs: int = 8
     """Key-value pairs per sample for --data synthetic-recall."""
+    recall_filler: str = "random"
+    """The tokens around the pairs and queries of --data synthetic-recall: random (a
+    fresh id per position, so the state must also learn to ignore noise) or constant
+    (one id everywhere, the filler of Zoology's MQAR: the easier task at many pairs)."""
     split: str = "969,30,1"
     """Train, validation and test weights of the data (Megatron's --split): the first
     share of the samples trains, the next is the held-out validation set."""
@@ -239,6 +243,7 @@ _CHOICES = {
     "lr_decay_style": ["cosine", "linear", "constant"],
     "recompute_granularity": ["full", "selective"],
     "data": ["text", "synthetic-recall"],
+    "recall_filler": ["random", "constant"],
 }
 
 

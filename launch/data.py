@@ -29,6 +29,7 @@ _KEYS = (16, 80)  # 64 possible keys
 _VALUES = (80, 144)  # 64 possible values: ln(64) is the loss without recall
 _FILLER = (144, 256)
 NUM_RECALL_VALUES = _VALUES[1] - _VALUES[0]
+RECALL_FILLERS = ("random", "constant")
 
 
 def stdlib_files() -> list[str]:
@@ -471,16 +472,24 @@ class RecallSamples:
     Only the value predicted right after a queried key counts in the loss; without the
     pairs that value is uniform over 64 ids, so a loss below ln(64) needs information
     from the start of the sequence (rank 0) to reach the query (another rank under CP).
+    ``filler`` "random" draws every other token afresh from 112 ids; "constant" repeats
+    one id, as Zoology's MQAR does, and keeps the same pairs and queries per index.
     """
 
-    def __init__(self, seq_length: int, pairs: int, seed: int, part: str = "train"):
-        self.seq_length, self.pairs, self.seed = seq_length, pairs, seed
+    def __init__(self, seq_length: int, pairs: int, seed: int, part: str = "train",
+                 filler: str = "random"):
+        if filler not in RECALL_FILLERS:
+            raise ValueError(f"--recall-filler: expected one of {RECALL_FILLERS}, got {filler!r}")
+        self.seq_length, self.pairs, self.seed, self.filler = seq_length, pairs, seed, filler
         self._stream = 7 if part == "train" else 8  # held-out samples: another RNG stream
 
     def __getitem__(self, index: int) -> Sample:
         T, n = self.seq_length, self.pairs
         rng = np.random.default_rng([self.seed, self._stream, index])
         x = rng.integers(*_FILLER, size=T + 1)
+        if self.filler == "constant":
+            # drawn all the same, so both fillers hold the same pairs for one index
+            x[:] = _FILLER[0]
         keys = rng.choice(np.arange(*_KEYS), size=n, replace=False)
         vals = rng.integers(*_VALUES, size=n)
         x[0 : 2 * n : 2], x[1 : 2 * n : 2] = keys, vals
@@ -502,6 +511,7 @@ def build_samples(
     split: tuple[float, float, float] = (1.0, 0.0, 0.0),
     part: str = "train",
     vocab_size: int | None = None,
+    recall_filler: str = "random",
 ) -> TextSamples | RecallSamples | BlendedSamples:
     """The sample source a config names; ``part`` "train" or "valid" of ``split``.
 
@@ -512,7 +522,7 @@ def build_samples(
     byte-level vocabulary) as they are read.
     """
     if data == "synthetic-recall":
-        return RecallSamples(seq_length, recall_pairs, seed, part)
+        return RecallSamples(seq_length, recall_pairs, seed, part, recall_filler)
     if data_path:
         prefixes, weights = parse_data_path(data_path)
         vocab = vocab_size or BYTE_VOCAB

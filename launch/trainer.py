@@ -57,12 +57,13 @@ class Trainer:
         split = split_weights(cfg.split)
         self.samples = build_samples(
             cfg.data, cfg.data_path, cfg.seq_length, cfg.seed, cfg.recall_pairs, split,
-            vocab_size=cfg.vocab_size,
+            vocab_size=cfg.vocab_size, recall_filler=cfg.recall_filler,
         )
         # the held-out split, read only when --eval-interval asks for validation
         self.valid_samples = (
             build_samples(cfg.data, cfg.data_path, cfg.seq_length, cfg.seed,
-                          cfg.recall_pairs, split, part="valid", vocab_size=cfg.vocab_size)
+                          cfg.recall_pairs, split, part="valid", vocab_size=cfg.vocab_size,
+                          recall_filler=cfg.recall_filler)
             if cfg.eval_interval else None
         )
         vocab = cfg.vocab_size or infer_vocab_size(cfg.data, cfg.data_path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hla_sp.launch.local import run_local
 
 RECALL = [
@@ -32,3 +33,23 @@ def test_recall_accuracy_cp4_equals_cp1(tmp_path) -> None:
         assert math.isclose(a["val_loss"], b["val_loss"], rel_tol=2e-5), (a, b)
         assert 0.0 <= a["val_recall_acc"] <= 1.0
         assert abs(a["val_recall_acc"] - b["val_recall_acc"]) <= 1 / labelled + 1e-12
+
+
+def test_constant_filler_keeps_the_pairs_and_queries() -> None:
+    from hla_sp.launch.data import RecallSamples
+
+    T, n = 64, 4
+    rand, const = RecallSamples(T, n, 5), RecallSamples(T, n, 5, filler="constant")
+    for i in range(3):
+        a, b = rand[i], const[i]
+        assert bool(a.loss_mask.eq(b.loss_mask).all())
+        marked = b.loss_mask.bool()
+        assert bool(a.labels[marked].eq(b.labels[marked]).all())  # the same answers
+        # pairs (0 .. 2n-1) and queries (T/2 .. T/2+2n-1) as inputs; filler elsewhere
+        keep = list(range(2 * n)) + list(range(T // 2, T // 2 + 2 * n))
+        assert bool(a.tokens[keep].eq(b.tokens[keep]).all())
+        rest = [t for t in range(T) if t not in keep]
+        assert len(set(b.tokens[rest].tolist())) == 1
+        assert len(set(a.tokens[rest].tolist())) > 1
+    with pytest.raises(ValueError, match=r"--recall-filler: expected one of .*got 'zeros'"):
+        RecallSamples(T, n, 5, filler="zeros")
