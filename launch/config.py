@@ -158,7 +158,7 @@ class TrainConfig:
     recall_filler: str = "random"
     """The tokens around the pairs and queries of --data synthetic-recall: random (a
     fresh id per position, so the state must also learn to ignore noise) or constant
-    (one id everywhere, the filler of Zoology's MQAR: the easier task at many pairs)."""
+    (one id everywhere, the filler of Zoology's MQAR)."""
     split: str = "969,30,1"
     """Train, validation and test weights of the data (Megatron's --split): the first
     share of the samples trains, the next is the held-out validation set."""
