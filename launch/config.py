@@ -238,12 +238,15 @@ class TrainConfig:
         return cls(**d)
 
 
+# The filler layouts of --data synthetic-recall (launch/data.py's RecallSamples).
+RECALL_FILLERS = ("random", "constant")
+
 _CHOICES = {
     "position_embedding_type": ["learned_absolute", "rope", "none"],
     "lr_decay_style": ["cosine", "linear", "constant"],
     "recompute_granularity": ["full", "selective"],
     "data": ["text", "synthetic-recall"],
-    "recall_filler": ["random", "constant"],
+    "recall_filler": list(RECALL_FILLERS),
 }
 
 

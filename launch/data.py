@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from hla_sp.launch.config import RECALL_FILLERS
 
 EOD = 256
 BYTE_VOCAB = 257
@@ -29,7 +30,6 @@ _KEYS = (16, 80)  # 64 possible keys
 _VALUES = (80, 144)  # 64 possible values: ln(64) is the loss without recall
 _FILLER = (144, 256)
 NUM_RECALL_VALUES = _VALUES[1] - _VALUES[0]
-RECALL_FILLERS = ("random", "constant")
 
 
 def stdlib_files() -> list[str]:

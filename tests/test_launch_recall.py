@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from hla_sp.launch.data import RecallSamples
 from hla_sp.launch.local import run_local
 
 RECALL = [
@@ -36,8 +37,6 @@ def test_recall_accuracy_cp4_equals_cp1(tmp_path) -> None:
 
 
 def test_constant_filler_keeps_the_pairs_and_queries() -> None:
-    from hla_sp.launch.data import RecallSamples
-
     T, n = 64, 4
     rand, const = RecallSamples(T, n, 5), RecallSamples(T, n, 5, filler="constant")
     for i in range(3):
