@@ -268,8 +268,11 @@ def _is_collective_error(chain: list[BaseException]) -> bool:
     return False
 
 
-def report_failure(rank: int, world_size: int, err: BaseException) -> str:
-    """Print why this rank stopped, the root cause first; return the last line printed.
+def report_failure(
+    rank: int, world_size: int, err: BaseException, with_traceback: bool = False
+) -> str:
+    """Print why this rank stopped (``err``'s traceback first if ``with_traceback``), the
+    root cause first; return the last line printed.
 
     Only an error that came out of a collective can be a peer's fault: then the
     heartbeats say which peer died, failed or hangs (the "diagnosis" line). An error of
@@ -277,7 +280,11 @@ def report_failure(rank: int, world_size: int, err: BaseException) -> str:
     so that the peers, which see only a broken collective, can name it.
     """
     global _diagnosing
+    # first, before the traceback: formatting it reads source files, slow enough on a
+    # loaded machine for torchrun's SIGTERM to land inside it and cut the report short
     _diagnosing = True
+    if with_traceback:
+        traceback.print_exception(err, file=sys.stderr)
     chain = _chain(err)
     root = next((e for e in chain if isinstance(e, OSError) and e.errno == errno.ENOSPC),
                 chain[-1])

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import traceback
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -151,9 +150,9 @@ def run(
     except Exception as err:
         heartbeat.stop()
         oom = _is_oom(err)
-        if not oom and not isinstance(err, faults.StoppedByLauncher):
-            traceback.print_exc()  # a stop from outside or an OOM needs no traceback
-        faults.report_failure(topo.rank, topo.world_size, err)
+        # a stop from outside or an OOM needs no traceback
+        faults.report_failure(topo.rank, topo.world_size, err, with_traceback=not oom
+                              and not isinstance(err, faults.StoppedByLauncher))
         if oom:
             from hla_sp.launch.estimate import advice
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
@@ -72,3 +73,38 @@ def test_sigterm_before_the_collective_fails_is_reported_as_a_peers(
     finally:
         if own_group:
             dist.destroy_process_group()
+
+
+def test_sigterm_while_the_traceback_prints_waits_for_the_report(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """torchrun's SIGTERM landing while this rank prints its traceback (which reads source
+    files, slow on a loaded machine) must not cut the report short: CI once lost the
+    'training stopped by' line that way."""
+    monkeypatch.setattr(faults, "_diagnosing", False)
+    printed = faults.traceback.print_exception
+
+    def print_then_get_stopped(*args: object, **kwargs: object) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs before this returns
+        printed(*args, **kwargs)
+
+    monkeypatch.setattr(faults.traceback, "print_exception", print_then_get_stopped)
+    before = signal.getsignal(signal.SIGTERM)
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0,
+                                world_size=1)
+    try:
+        faults.install_sigterm_handler()
+        try:
+            raise RuntimeError("bad batch")
+        except RuntimeError as err:
+            faults.report_failure(0, 1, err, with_traceback=True)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        if own_group:
+            dist.destroy_process_group()
+    err_text = capsys.readouterr().err
+    assert "RuntimeError: bad batch" in err_text  # the traceback
+    assert "[hla-sp] rank 0/1: training stopped by RuntimeError: bad batch" in err_text
+    assert "this rank's own error" in err_text
