@@ -85,6 +85,10 @@ MIXERS: dict[str, dict[str, Any]] = {
     # a's own learning rate, 0.1x the rest: Adam moves a by about the rate per step
     # whatever its gradient, and on the plateau that walk weighs a growing k~ (quality.md).
     "hla2-slowmix": {"operator": "hla2", "mix_lr": 0.1},
+    # a started below zero: with q_j near k_j the write key k_j - |a| S_j k_j is the first
+    # step of (I + |a| S_j)^-1 k_j, which takes out earlier keys' directions as the delta
+    # rule does. Does a start there use the K x V memory better (quality.md)?
+    "hla2-negmix": {"operator": "hla2", "mix_init": -0.05},
     # The decay schedule, studied: the learned decay starting at gamma = 1 - 2^-e with e
     # spread over (lo, hi) instead of the layer's (5, 12). (8, 12) starts the fastest
     # head with a window of 256 tokens (the whole of T = 256) instead of 32.
@@ -101,7 +105,7 @@ MIXERS: dict[str, dict[str, Any]] = {
 }
 DEFAULT_MIXERS = ("softmax", "linear", "gated-linear", "hla2", "ahla", "hla3")
 # The keys of a spec that are not HLAttention options.
-_SPEC_KEYS = ("softmax", "positions", "freeze", "rope", "decay_log2", "mix_lr")
+_SPEC_KEYS = ("softmax", "positions", "freeze", "rope", "decay_log2", "mix_lr", "mix_init")
 
 
 def mqar_batch(batch: int, T: int, pairs: int, gen: torch.Generator,
@@ -202,6 +206,9 @@ class RecallLM(nn.Module):
                 mix = HLAttention(d, heads, **layer_options(mixer))
                 if "decay_log2" in spec:
                     start_decay(mix, *spec["decay_log2"])
+                if "mix_init" in spec:
+                    with torch.no_grad():
+                        mix.heads.key_mix.fill_(spec["mix_init"])
                 for name in spec.get("freeze", ()):
                     getattr(mix.heads, name).requires_grad_(False)
             self.blocks.append(nn.ModuleDict(dict(

@@ -92,3 +92,13 @@ def test_recall_mix_weights_get_their_own_rate() -> None:
     assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
     assert len(param_groups(RecallLM("hla2", 16), 3e-3, 1.0)) == 1
     assert len(param_groups(RecallLM("linear", 16), 3e-3, 0.1)) == 1  # no mix weights
+
+
+def test_recall_negmix_starts_every_key_mix_below_zero() -> None:
+    """hla2-negmix starts a at -0.05 in every head of every layer; hla2 starts it at 0."""
+    sys.path.insert(0, str(BENCH))
+    from bench_recall import RecallLM
+
+    neg = [b["mix"].heads.key_mix for b in RecallLM("hla2-negmix", 16).blocks]
+    assert len(neg) == 2 and all(torch.equal(a, torch.full_like(a, -0.05)) for a in neg)
+    assert all(not b["mix"].heads.key_mix.any() for b in RecallLM("hla2", 16).blocks)
