@@ -89,6 +89,10 @@ MIXERS: dict[str, dict[str, Any]] = {
     # step of (I + |a| S_j)^-1 k_j, which takes out earlier keys' directions as the delta
     # rule does. Does a start there use the K x V memory better (quality.md)?
     "hla2-negmix": {"operator": "hla2", "mix_init": -0.05},
+    # A control for the paired runs: the linear layer from the same start, every weight
+    # scaled by 1 + 1e-6 N(0, 1) (about 10 fp32 roundings). If this alone changes a run's
+    # outcome, one seed's outcome is not attributable to a mixer's term.
+    "linear-jitter": {"operator": "linear", "jitter": 1e-6},
     # The decay schedule, studied: the learned decay starting at gamma = 1 - 2^-e with e
     # spread over (lo, hi) instead of the layer's (5, 12). (8, 12) starts the fastest
     # head with a window of 256 tokens (the whole of T = 256) instead of 32.
@@ -105,7 +109,8 @@ MIXERS: dict[str, dict[str, Any]] = {
 }
 DEFAULT_MIXERS = ("softmax", "linear", "gated-linear", "hla2", "ahla", "hla3")
 # The keys of a spec that are not HLAttention options.
-_SPEC_KEYS = ("softmax", "positions", "freeze", "rope", "decay_log2", "mix_lr", "mix_init")
+_SPEC_KEYS = ("softmax", "positions", "freeze", "rope", "decay_log2", "mix_lr", "mix_init",
+              "jitter")
 
 
 def mqar_batch(batch: int, T: int, pairs: int, gen: torch.Generator,
@@ -216,6 +221,12 @@ class RecallLM(nn.Module):
                 mlp=nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)))))
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
+        if spec.get("jitter"):
+            # Its own generator, so the batches and every other draw stay the seed's.
+            g = torch.Generator().manual_seed(30_000)
+            with torch.no_grad():
+                for p in self.parameters():
+                    p.mul_(1 + spec["jitter"] * torch.randn(p.shape, generator=g))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, T] -> logits [B, T, vocab]."""

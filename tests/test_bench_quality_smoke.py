@@ -102,3 +102,20 @@ def test_recall_negmix_starts_every_key_mix_below_zero() -> None:
     neg = [b["mix"].heads.key_mix for b in RecallLM("hla2-negmix", 16).blocks]
     assert len(neg) == 2 and all(torch.equal(a, torch.full_like(a, -0.05)) for a in neg)
     assert all(not b["mix"].heads.key_mix.any() for b in RecallLM("hla2", 16).blocks)
+
+
+def test_recall_jitter_moves_every_weight_by_about_its_scale() -> None:
+    """linear-jitter is linear's start with each weight scaled by 1 + O(1e-6), not equal
+    to it; the other mixers take no jitter."""
+    sys.path.insert(0, str(BENCH))
+    from bench_recall import RecallLM
+
+    torch.manual_seed(0)
+    ref = RecallLM("linear", 16).state_dict()
+    torch.manual_seed(0)
+    jit = RecallLM("linear-jitter", 16).state_dict()
+    assert ref.keys() == jit.keys()
+    rel = max(((jit[k] - ref[k]).abs() / ref[k].abs().clamp_min(1e-30)).max().item()
+              for k in ref)
+    assert 1e-7 < rel < 1e-5
+    assert any(not torch.equal(jit[k], ref[k]) for k in ref)
