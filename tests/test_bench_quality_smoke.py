@@ -105,8 +105,8 @@ def test_recall_negmix_starts_every_key_mix_below_zero() -> None:
 
 
 def test_recall_jitter_moves_every_weight_by_about_its_scale() -> None:
-    """linear-jitter is linear's start with each weight scaled by 1 + O(1e-6), not equal
-    to it; the other mixers take no jitter."""
+    """linear-jitter is linear's start (same seed) with each weight scaled by
+    1 + O(1e-6): within 1e-5 relative of it, and not equal to it."""
     sys.path.insert(0, str(BENCH))
     from bench_recall import RecallLM
 
