@@ -439,6 +439,10 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 
     cells = [c for c in summarize(results) if c["best_lr"]]
     sizes = sorted({(c["T"], c["pairs"], c["d_model"]) for c in cells})
+    # One colour per mixer across every panel: the default cycle of 10 repeats at
+    # (256, 16), where the study's variants make more than 10 mixers.
+    cmap = plt.get_cmap("tab20")
+    colors = {m: cmap(i % 20) for i, m in enumerate(sorted({r["mixer"] for r in results}))}
     fig, axes = plt.subplots(2, len(sizes), figsize=(5.5 * len(sizes), 8.5), squeeze=False)
     for j, (T, pairs, d) in enumerate(sizes):
         ax = axes[0][j]
@@ -446,20 +450,21 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
             if (c["T"], c["pairs"], c["d_model"]) == (T, pairs, d):
                 ax.errorbar(c["state_per_layer"], c["acc_mean"],
                             yerr=[[c["acc_mean"] - c["acc_min"]], [c["acc_max"] - c["acc_mean"]]],
-                            fmt="o", capsize=3, label=f"{c['mixer']} (lr {c['lr']:g}, "
+                            fmt="o", capsize=3, color=colors[c["mixer"]],
+                            label=f"{c['mixer']} (lr {c['lr']:g}, "
                             f"{c['solved']}/{c['seeds']} solved)")
         ax.set(xscale="log", title=f"MQAR T={T}, {pairs} pairs, d_model {d}",
                xlabel="state per layer (floats)", ylabel="held-out accuracy", ylim=(0, 1.02))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         ax = axes[1][j]
-        colors: dict[str, Any] = {}
+        labelled: set[str] = set()
         for r in results:
             if (r["T"], r["pairs"], r["d_model"]) == (T, pairs, d):
-                line, = ax.plot([c["step"] for c in r["curve"]], [c["acc"] for c in r["curve"]],
-                                lw=1, color=colors.get(r["mixer"]),
-                                label=None if r["mixer"] in colors else r["mixer"])
-                colors.setdefault(r["mixer"], line.get_color())
+                ax.plot([c["step"] for c in r["curve"]], [c["acc"] for c in r["curve"]],
+                        lw=1, color=colors[r["mixer"]],
+                        label=None if r["mixer"] in labelled else r["mixer"])
+                labelled.add(r["mixer"])
         ax.axhline(2 / VOCAB, color="grey", lw=0.8, ls=":")
         ax.set(xlabel="step", ylabel="held-out accuracy (256 samples)", ylim=(0, 1.02),
                title="every run (all learning rates and seeds)")
