@@ -26,7 +26,6 @@ import os
 import statistics
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +36,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_recall import MIXERS, ROOT, RecallLM
+from grid_runs import run_parallel, save_merged
 from hla_sp.launch.data import BYTE_VOCAB, builtin_text_tokens
 
 DEFAULT_MIXERS = ("softmax-rope", "linear", "hla2", "ahla", "hla3")
@@ -115,6 +115,11 @@ def train(mixer: str, T: int, steps: int, batch: int, d: int, layers: int, heads
 
 def _job(kw: dict[str, Any]) -> dict[str, Any]:
     return train(**kw)
+
+
+def run_key(r: dict[str, Any]) -> tuple:
+    """What identifies a run: a rerun with the same key is skipped."""
+    return (r["mixer"], r["T"], r["steps"], r["seed"])
 
 
 def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -213,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     results: list[dict[str, Any]] = []
     if out_json.exists():
         results = json.loads(out_json.read_text())["results"]
-    done = {(r["mixer"], r["T"], r["steps"], r["seed"]) for r in results}
+    done = {run_key(r) for r in results}
     jobs = [dict(mixer=m, T=T, steps=steps, batch=a.batch, d=a.d_model, layers=a.layers,
                  heads=a.heads, lr=a.lr, seed=s, evals=2 if a.quick else 10,
                  n_tokens=n_tokens, valid_bytes=vb)
@@ -227,19 +232,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{r['mixer']:14s} seed {r['seed']}: valid {r['valid_bpb']:.3f} bits/byte, "
               f"at {LONG}x length {long}  params {r['params']}  ({r['seconds']:.0f} s)",
               flush=True)
-        data = {"task": "byte-level LM, stdlib sources", "torch": torch.__version__,
-                "threads_per_job": 1, "jobs": a.jobs, "summary": summarize(results),
-                "results": results}
-        out_json.write_text(json.dumps(data, indent=1))
+        save_merged(out_json, results, run_key,
+                    lambda path: json.loads(path.read_text())["results"],
+                    lambda rs: {"task": "byte-level LM, stdlib sources",
+                                "torch": torch.__version__, "threads_per_job": 1,
+                                "jobs": a.jobs, "summary": summarize(rs), "results": rs})
         plot(results, a.out / f"{a.name}.png")
 
-    if a.jobs > 1 and len(jobs) > 1:
-        with ProcessPoolExecutor(a.jobs) as pool:
-            for fut in as_completed([pool.submit(_job, j) for j in jobs]):
-                report(fut.result())
-    else:
-        for j in jobs:
-            report(_job(j))
+    run_parallel(_job, jobs, a.jobs, report)
     print(f"wrote {out_json} and {a.out / (a.name + '.png')} "
           f"({time.perf_counter() - t0:.0f} s)")
 

@@ -30,7 +30,6 @@ several positions.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import math
 import os
@@ -38,12 +37,12 @@ import platform
 import statistics
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from grid_runs import run_parallel, save_merged
 from torch import nn
 
 from hla_sp.nn import HLAttention
@@ -577,38 +576,23 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
 
     def report(r: dict[str, Any]) -> None:
-        """Print a finished run and rewrite the JSON and PNG, so a long grid that is
-        stopped keeps every run it finished. Under a lock, with the runs that other
-        processes wrote to the same file meanwhile kept (parts of a grid may run at once)."""
+        """Print a finished run and rewrite the JSON and PNG, keeping the runs that other
+        processes stored in the same file meanwhile (parts of a grid may run at once)."""
         results.append(r)
-        lock = open(out_json.with_suffix(".lock"), "w")  # noqa: SIM115 (held to the end)
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if out_json.exists():
-            mine = {run_key(x) for x in results}
-            results.extend(x for x in load_results(out_json) if run_key(x) not in mine)
         print(f"T={r['T']:4d} pairs={r['pairs']:3d} d={r['d_model']:3d} {r['mixer']:14s} "
               f"lr {r['lr']:.0e} seed {r['seed']}: acc {r['acc']:.3f} loss {r['loss']:.3f} "
               f"to-0.9 {r['steps_to_0.9']} ({r['seconds']:.0f} s)", flush=True)
-        data = {"task": "MQAR (Zoology protocol)", "vocab": VOCAB, "layers": LAYERS,
-                "heads": HEADS, "conv_taps": CONV_TAPS, "eval_samples": EVAL_SAMPLES,
-                "check_samples": CHECK_SAMPLES, "tokens_per_step": TOKENS_PER_STEP,
-                "machine": {"python": sys.version.split()[0], "torch": torch.__version__,
-                            "cpu": platform.processor() or platform.machine(),
-                            "jobs": a.jobs, "threads_per_job": 1},
-                "summary": summarize(results), "results": results}
-        tmp = out_json.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(out_json)
-        lock.close()
+        save_merged(out_json, results, run_key, load_results, lambda rs: {
+            "task": "MQAR (Zoology protocol)", "vocab": VOCAB, "layers": LAYERS,
+            "heads": HEADS, "conv_taps": CONV_TAPS, "eval_samples": EVAL_SAMPLES,
+            "check_samples": CHECK_SAMPLES, "tokens_per_step": TOKENS_PER_STEP,
+            "machine": {"python": sys.version.split()[0], "torch": torch.__version__,
+                        "cpu": platform.processor() or platform.machine(),
+                        "jobs": a.jobs, "threads_per_job": 1},
+            "summary": summarize(rs), "results": rs})
         plot(results, a.out / f"{a.name}.png")
 
-    if a.jobs > 1 and len(jobs) > 1:
-        with ProcessPoolExecutor(a.jobs) as pool:
-            for fut in as_completed([pool.submit(_job, j) for j in jobs]):
-                report(fut.result())
-    else:
-        for j in jobs:
-            report(_job(j))
+    run_parallel(_job, jobs, a.jobs, report)
     print(f"wrote {out_json} and {a.out / (a.name + '.png')} "
           f"({time.perf_counter() - t0:.0f} s)")
 

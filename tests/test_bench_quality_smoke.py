@@ -77,6 +77,42 @@ def test_recall_results_load_with_the_solved_rule(tmp_path: Path) -> None:
     assert [r["solved"] for r in load_results(path)] == [True, True, False]
 
 
+def _square(kw: dict) -> dict:
+    return {"k": kw["k"], "v": kw["k"] ** 2}
+
+
+def test_grid_runs_keep_what_another_writer_stored(tmp_path: Path) -> None:
+    """Two parts of a grid writing one file: each save keeps the other's runs (one copy
+    of a run both hold), and the file is whole JSON after every save."""
+    sys.path.insert(0, str(BENCH))
+    from grid_runs import run_parallel, save_merged
+
+    path = tmp_path / "grid.json"
+
+    def load(p: Path) -> list[dict]:
+        return json.loads(p.read_text())["results"]
+
+    def key(r: dict) -> tuple:
+        return (r["k"],)
+
+    def data(rs: list[dict]) -> dict:
+        return {"n": len(rs), "results": rs}
+
+    a: list[dict] = []
+    b: list[dict] = []
+    for part, k in ((a, 1), (b, 2), (a, 3), (b, 1)):
+        part.append(_square({"k": k}))
+        save_merged(path, part, key, load, data)
+        stored = json.loads(path.read_text())
+        assert stored["n"] == len(stored["results"])
+    assert sorted(r["k"] for r in load(path)) == [1, 2, 3]
+    assert not path.with_suffix(".tmp").exists()
+
+    got: list[dict] = []
+    run_parallel(_square, [{"k": k} for k in range(4)], 2, got.append)
+    assert sorted((r["k"], r["v"]) for r in got) == [(0, 0), (1, 1), (2, 4), (3, 9)]
+
+
 def test_recall_mix_weights_get_their_own_rate() -> None:
     """hla2-slowmix puts every key_mix/value_mix in a group at 0.1x the rate, the rest at
     the rate; at rate 1, or without mix weights, there is one group."""
