@@ -110,6 +110,8 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     _check_data(cfg)
     if cfg.load is not None:
         _check_load(cfg)
+    if cfg.skip_train:
+        _check_skip_train(cfg)
     _check_intervals(cfg)
     _check_loggers(cfg)
 
@@ -358,6 +360,25 @@ def config_diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
             flag = "--" + k.replace("_", "-")
             out.append(f"{flag} {a[k]} (checkpoint) != {b[k]} (this run)")
     return out
+
+
+def _check_skip_train(cfg: TrainConfig) -> None:
+    """--skip-train evaluates a checkpoint: it needs one in --load and writes none."""
+    from hla_sp.launch.checkpoint import CheckpointError, resume_iteration
+
+    if cfg.save is not None:
+        raise ConfigError(f"--skip-train trains and saves nothing: expected no --save, "
+                          f"got --save {cfg.save}")
+    if cfg.load is None:
+        raise ConfigError("--skip-train: expected --load naming a directory with a "
+                          "checkpoint to evaluate, got no --load")
+    try:
+        it = resume_iteration(cfg.load, cfg.ckpt_step)
+    except CheckpointError as e:
+        raise ConfigError(f"--load {cfg.load}: {e}") from None
+    if it is None:
+        raise ConfigError(f"--skip-train: expected --load naming a directory with a "
+                          f"checkpoint to evaluate, got --load {cfg.load}, which holds none")
 
 
 def _check_load(cfg: TrainConfig) -> None:

@@ -169,6 +169,11 @@ class TrainConfig:
     never)."""
     eval_iters: int = 10
     """Global batches of the validation split per evaluation (the same ones each time)."""
+    skip_train: bool = False
+    """Train nothing: evaluate the checkpoint in --load (or --ckpt-step) once on the
+    held-out split that --seed and the data flags give, print the result, log it to
+    --log-jsonl as an "evaluation" event, and exit (Megatron's --skip-train). The
+    checkpoint may come from another TP, CP or DP size."""
 
     # --- checkpoints -------------------------------------------------------------
     save: str | None = None

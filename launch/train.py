@@ -73,7 +73,7 @@ def _announce_start(cfg: TrainConfig) -> bool:
     if cfg.load is not None and resume is None:
         if first:
             metrics.say(f"--load {cfg.load}: no checkpoint there, starting from iteration 0")
-    elif resume is not None and resume >= cfg.train_iters:
+    elif resume is not None and resume >= cfg.train_iters and not cfg.skip_train:
         if first:
             metrics.say(
                 f"nothing to do: the checkpoint in {cfg.load} is at iteration {resume}, and "
@@ -120,8 +120,13 @@ def run(
         trainer = Trainer(cfg, topo)
         if topo.is_first:
             metrics.say(_banner(cfg, topo, trainer))
-        records = trainer.train(on_record, heartbeat)
-        if topo.is_first:
+        if cfg.skip_train:
+            records = [trainer.evaluate_checkpoint()]
+            if topo.is_first:
+                metrics.say(_evaluation_line(cfg, records[0]))
+        else:
+            records = trainer.train(on_record, heartbeat)
+        if topo.is_first and not cfg.skip_train:
             if records:
                 metrics.say(
                     f"done: loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} over "
@@ -176,6 +181,15 @@ def _is_oom(err: BaseException) -> bool:
     return isinstance(err, (torch.OutOfMemoryError, MemoryError)) or (
         isinstance(err, RuntimeError) and ("out of memory" in str(err)
                                            or "can't allocate memory" in str(err)))
+
+
+def _evaluation_line(cfg: TrainConfig, rec: dict[str, Any]) -> str:
+    """The result of --skip-train, in one line."""
+    acc = (f", recall accuracy {rec['val_recall_acc']:.4f}" if "val_recall_acc" in rec
+           else "")
+    return (f"evaluated the checkpoint at iteration {rec['iteration']} in {cfg.load}: "
+            f"held-out loss {rec['val_loss']:.4f}{acc} ({cfg.eval_iters} batches of "
+            f"{rec['samples_per_batch']})")
 
 
 def _stopped_line(cfg: TrainConfig, trainer: Trainer) -> str:

@@ -64,7 +64,7 @@ class Trainer:
             build_samples(cfg.data, cfg.data_path, cfg.seq_length, cfg.seed,
                           cfg.recall_pairs, split, part="valid", vocab_size=cfg.vocab_size,
                           recall_filler=cfg.recall_filler)
-            if cfg.eval_interval else None
+            if cfg.eval_interval or cfg.skip_train else None
         )
         vocab = cfg.vocab_size or infer_vocab_size(cfg.data, cfg.data_path)
         # identical initial weights on every rank: Megatron's CPU init draws the whole
@@ -200,6 +200,21 @@ class Trainer:
         if recall:
             out["val_recall_acc"] = float(total[2] / total[1].clamp(min=1.0))
         return out
+
+    def evaluate_checkpoint(self) -> dict[str, Any]:
+        """--skip-train: evaluate the loaded weights once. The record goes to --log-jsonl
+        as an ``"evaluation"`` event, which readers of the iteration records skip, so a
+        training run's log can take it without losing the iteration it names."""
+        rec = {"event": "evaluation", "iteration": self.iteration, "load": self.cfg.load,
+               "time": time.time(), "samples_per_batch": self.global_batch,
+               "cp": self.topo.cp, "tp": self.topo.tp, "dp": self.topo.dp,
+               **self.evaluate()}
+        log = metrics.JsonlLog(self.cfg.log_jsonl if self.topo.is_first else None)
+        try:
+            log.write(rec)
+        finally:
+            log.close()
+        return rec
 
     def _predicted(self, b: dict[str, torch.Tensor]) -> torch.Tensor:
         """The argmax token at every position [b, s_local]; logits are vocab-parallel

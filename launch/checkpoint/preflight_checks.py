@@ -174,7 +174,8 @@ def check_resume_schedule(cfg: Any) -> None:
         saved = saved_config(cfg.load, it) if it is not None else None
     except CheckpointError as e:
         raise ConfigError(f"--load {cfg.load}: {e}") from None
-    if saved is None or override or use_ckpt:
+    # --skip-train takes no step, so the schedule it would resume does not matter
+    if saved is None or override or use_ckpt or getattr(cfg, "skip_train", False):
         return
     diff = schedule_diff(saved, cfg.to_dict())
     if diff:
