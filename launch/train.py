@@ -126,20 +126,8 @@ def run(
                 metrics.say(_evaluation_line(cfg, records[0]))
         else:
             records = trainer.train(on_record, heartbeat)
-        if topo.is_first and not cfg.skip_train:
-            if records:
-                metrics.say(
-                    f"done: loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} over "
-                    f"{len(records)} iterations; peak memory per rank "
-                    f"{[metrics.gib(m) for m in records[-1]['peak_mem_bytes_per_rank']]}"
-                )
-            if cfg.log_jsonl:
-                metrics.say(
-                    f"metrics: {os.path.abspath(cfg.log_jsonl)} (one JSON line per iteration)"
-                )
-                metrics.say(metrics.plot_run(cfg.log_jsonl))
-            if trainer.stopped_by:
-                metrics.say(_stopped_line(cfg, trainer))
+            if topo.is_first:
+                _say_trained(cfg, trainer, records)
     except signals.Interrupted as stop:
         # every rank got the signal (torchrun passes it on): one line for the run
         heartbeat.stop()
@@ -181,6 +169,22 @@ def _is_oom(err: BaseException) -> bool:
     return isinstance(err, (torch.OutOfMemoryError, MemoryError)) or (
         isinstance(err, RuntimeError) and ("out of memory" in str(err)
                                            or "can't allocate memory" in str(err)))
+
+
+def _say_trained(cfg: TrainConfig, trainer: Trainer, records: list[dict[str, Any]]) -> None:
+    """Rank 0's closing lines of a training run: the loss, the log and its plot, and how
+    to resume a run a signal stopped."""
+    if records:
+        metrics.say(
+            f"done: loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} over "
+            f"{len(records)} iterations; peak memory per rank "
+            f"{[metrics.gib(m) for m in records[-1]['peak_mem_bytes_per_rank']]}"
+        )
+    if cfg.log_jsonl:
+        metrics.say(f"metrics: {os.path.abspath(cfg.log_jsonl)} (one JSON line per iteration)")
+        metrics.say(metrics.plot_run(cfg.log_jsonl))
+    if trainer.stopped_by:
+        metrics.say(_stopped_line(cfg, trainer))
 
 
 def _evaluation_line(cfg: TrainConfig, rec: dict[str, Any]) -> str:
