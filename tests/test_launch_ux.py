@@ -192,8 +192,14 @@ def test_oom_is_one_line_of_advice_without_a_traceback(
 
     monkeypatch.setattr(train.Trainer, "step", oom)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    with pytest.raises(torch.OutOfMemoryError):
-        train.run(parse_args(["--train-iters", "2"]), exit_on_error=False)
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            train.run(parse_args(["--train-iters", "2"]), exit_on_error=False)
+    finally:
+        # run() re-raises without shutting the group down (a Ray worker's process ends
+        # next); this process goes on to other tests, which start groups of their own
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     err = capsys.readouterr().err
     assert "Traceback" not in err
     (line,) = [x for x in err.splitlines() if "out of memory;" in x]
