@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_recall import MIXERS, ROOT, RecallLM
+from bench_recall import MIXERS, ROOT, RecallLM, make_optimizer
 from grid_runs import run_parallel, save_merged
 from hla_sp.launch.data import BYTE_VOCAB, builtin_text_tokens
 
@@ -82,7 +82,7 @@ def train(mixer: str, T: int, steps: int, batch: int, d: int, layers: int, heads
     va = windows(va_stream, T, valid_bytes)
     va_long = windows(va_stream, LONG * T, valid_bytes)
     model = RecallLM(mixer, T, d=d, layers=layers, heads=heads, vocab=BYTE_VOCAB)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    opt = make_optimizer(model, mixer, lr)
     warm = max(1, steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * s / steps)))

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_recall import MIXERS, ROOT, RecallLM, mqar_batch
+from bench_recall import MIXERS, ROOT, RecallLM, make_optimizer, mqar_batch
 
 from hla_sp import linear_attention
 
@@ -133,7 +133,7 @@ def _train_task(mixer: str, threads: int, steps: int) -> dict[str, list[float]]:
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
     model = RecallLM(mixer, 64)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    opt = make_optimizer(model, mixer, 3e-3)
     losses, norms = [], []
     for _ in range(steps):
         x, y = mqar_batch(64, 64, 4, gen)

@@ -130,6 +130,27 @@ def test_recall_mix_weights_get_their_own_rate() -> None:
     assert len(param_groups(RecallLM("linear", 16), 3e-3, 0.1)) == 1  # no mix weights
 
 
+def test_lm_trains_with_the_variants_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench_lm builds its optimiser with the variant's own rate for the mix weights (a
+    variant like hla2-fastmix must not run as plain hla2): one step, the groups checked."""
+    sys.path.insert(0, str(BENCH))
+    import bench_lm
+
+    seen: list[list[float]] = []
+    real = bench_lm.make_optimizer
+
+    def spy(model: torch.nn.Module, mixer: str, lr: float) -> torch.optim.AdamW:
+        opt = real(model, mixer, lr)
+        seen.append([g["lr"] for g in opt.param_groups])
+        return opt
+
+    monkeypatch.setattr(bench_lm, "make_optimizer", spy)
+    r = bench_lm.train("hla2-fastmix", T=16, steps=1, batch=2, d=16, layers=1, heads=2,
+                       lr=1e-3, seed=0, evals=1, n_tokens=20_000, valid_bytes=256)
+    assert r["options"]["mix_lr"] == 10.0
+    assert seen == [[1e-3, pytest.approx(1e-2)]]
+
+
 def test_recall_negmix_starts_every_key_mix_below_zero() -> None:
     """hla2-negmix starts a at -0.05 in every head of every layer; hla2 starts it at 0."""
     sys.path.insert(0, str(BENCH))
