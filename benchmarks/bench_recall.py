@@ -74,6 +74,9 @@ MIXERS: dict[str, dict[str, Any]] = {
     "hla2": {"operator": "hla2"},
     "ahla": {"operator": "ahla"},
     "hla3": {"operator": "hla3"},
+    # The query contracted by the key moment before it reads the first-order state:
+    # LA(q + a S q, k, v), the idea of CCQ (arXiv 2606.01294), a learned as hla2's.
+    "ccq": {"operator": "ccq"},
     # The second-order term, studied (docs/quality.md). "-raw": k~ mixed in as it is;
     # "-mixnorm": k~ scaled to unit norm per token first; "-frozen": a kept at zero.
     "hla2-raw": {"operator": "hla2", "mix_norm": False},

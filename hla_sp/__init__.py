@@ -1,15 +1,27 @@
 """hla-sp: Higher-order Linear Attention with exact sequence parallelism."""
 
-from hla_sp.ops import AHLAState, HLA2State, HLA3State, ahla, hla2, hla3, linear_attention
+from hla_sp.ops import (
+    AHLAState,
+    CCQState,
+    HLA2State,
+    HLA3State,
+    ahla,
+    ccq,
+    hla2,
+    hla3,
+    linear_attention,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AHLAState",
+    "CCQState",
     "HLA2State",
     "HLA3State",
     "SequenceParallel",
     "ahla",
+    "ccq",
     "hla2",
     "hla3",
     "linear_attention",

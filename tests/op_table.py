@@ -116,6 +116,13 @@ OPS = [
         lambda q, k, v, g: R.naive_hla3(q, k, v, g),
         lambda N, H, K, V: [(N, H, K, K), (N, H, K, V), (N, H, K, V)],
     ),
+    Op(
+        "ccq",
+        _fast(hla_sp.ccq),
+        lambda q, k, v, g, init=None: R.recurrent_ccq(q, k, v, g, initial_state=init),
+        lambda q, k, v, g: R.naive_ccq(q, k, v, g),
+        lambda N, H, K, V: [(N, H, K, K), (N, H, K, V)],
+    ),
 ]
 OPS_BY_NAME = {op.name: op for op in OPS}
 

@@ -4,6 +4,7 @@
     hla2 = LA(q, LA(q, k, k), v)                 state (S, H[, eta])
     ahla = LA(q, k, LA(q, k, v))                 state (C, H)
     hla3 = LA(q, LA(q, k, k), LA(q, k, v))       state (S, C, H)
+    ccq = LA(LA(q, k, k), k, v)                  state (S, h)
 
 Every stage is one call of :func:`hla_sp.ops.linear_attention.primitive` (bound into a
 :class:`StageContext` by the caller), so kernels, gradients and sequence parallelism
@@ -49,6 +50,14 @@ class AHLAState(NamedTuple):
 
     C: torch.Tensor
     H: torch.Tensor
+
+
+class CCQState(NamedTuple):
+    """State of ``ccq``: S [N, H, K, K] key moment and h [N, H, K, V] (both shared by a
+    GQA group: their stages read the kv heads' k and v)."""
+
+    S: torch.Tensor
+    h: torch.Tensor
 
 
 class HLA3State(NamedTuple):
@@ -107,7 +116,9 @@ class StageContext:
     stage's key is k + a k~ instead of k~ (:meth:`key`); with ``value_mix`` b, its value
     is v + b u instead of u (:meth:`value`). The outer stage is linear in its key and
     value, so hla2 becomes LA(q, k, v) + a hla2 and ahla LA(q, k, v) + b ahla at no
-    extra stage; hla3 gains all four terms (first order, a hla2, b ahla, ab hla3).
+    extra stage; hla3 gains all four terms (first order, a hla2, b ahla, ab hla3). ccq
+    puts the same a on its query instead (:meth:`query`): LA(q + a S q, k, v) is
+    LA(q, k, v) + a ccq.
     With ``mix_norm`` the mixed-in k~ and u are first scaled to unit L2 norm per token
     and head: k~ = S q grows with the tokens summed into S (a power of t without decay),
     so a fixed a would weigh the higher-order term more the later the token.
@@ -127,6 +138,11 @@ class StageContext:
     def key(self, higher: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """The outer stage's key [B, T, Hq, K]: k + a k~ with ``key_mix`` a, else k~."""
         return _mix(higher, self.key_mix, lambda: self.expand(k), self.mix_norm)
+
+    def query(self, higher: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+        """The outer stage's query [B, T, Hq, K]: q + a q~ with ``key_mix`` a, else q~
+        (``qs`` is already per query head, so nothing is expanded)."""
+        return _mix(higher, self.key_mix, lambda: qs, self.mix_norm)
 
     def value(self, higher: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The outer stage's value [B, T, Hq, V]: v + b u with ``value_mix`` b, else u."""
@@ -187,6 +203,17 @@ def hla3_stages(ctx: StageContext, qs: torch.Tensor, k: torch.Tensor, v: torch.T
     u, C = ctx.shared(qs, k, v, C0)
     o, Hf = ctx.per_head(qs, ctx.key(k_tilde, k), ctx.value(u, v), H0)
     return o, [S, C, Hf]
+
+
+def ccq_stages(ctx: StageContext, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               state0: list[torch.Tensor | None]):
+    """ccq = LA(q~, k, v) with q~ = LA(q, k, k) = S q: the query is contracted by the
+    running key moment before it reads the first-order state (CCQ, arXiv 2606.01294).
+    Both stages read the kv heads' k, so both states are shared by a GQA group."""
+    S0, h0 = state0
+    q_tilde, S = ctx.shared(qs, k, k, S0)  # q~_t = S_t q_t
+    o, h = ctx.shared(ctx.query(q_tilde, qs), k, v, h0)
+    return o, [S, h]
 
 
 def _mix(

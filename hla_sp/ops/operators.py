@@ -65,7 +65,7 @@ class OperatorSpec:
         reference: the serial recurrence it must equal, (q, k, v, log_decay, scale,
             initial_state=..., its options) -> (o, final state).
         key_mix, value_mix: whether its outer stage takes the first-order mix of the
-            key (k + a k~) or of the value (v + b u).
+            key (k + a k~; ccq: of the query, q + a S q) or of the value (v + b u).
         options: the options only it takes (keys of :data:`OPTIONS`).
         higher_order: whether Megatron's core-attention slot takes it.
         precision: whether ``public`` takes ``precision`` (one stage has nothing to
@@ -312,6 +312,36 @@ def hla3(
     )
 
 
+def ccq(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    log_decay: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: C.CCQState | tuple | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    sp: SequenceParallelism | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    precision: str = "auto",
+    plan: BatchPlan | None = None,
+) -> tuple[torch.Tensor, C.CCQState | None]:
+    """Key-moment-contracted query: o_t = (S_t q_t)^T h_t with S_t = sum exp(A_t - A_i)
+    k_i k_i^T and h_t = sum exp(A_t - A_j) k_j v_j^T, that is LA(LA(q, k, k), k, v).
+
+    In the layer (``first_order``) the query becomes q + a S q, the idea of CCQ
+    (arXiv 2606.01294). Keywords as in :func:`hla_sp.linear_attention` and
+    ``precision`` as in :func:`hla2`; the state is :class:`C.CCQState`, both fields per
+    kv head.
+    """
+    return call(  # type: ignore[return-value]
+        "ccq", q, k, v, log_decay=log_decay, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, sp=sp,
+        chunk_size=chunk_size, precision=precision, plan=plan,
+    )
+
+
 def _builtin(spec: OperatorSpec) -> None:
     TABLE[spec.name] = spec
 
@@ -331,6 +361,9 @@ _builtin(OperatorSpec(
 _builtin(OperatorSpec(
     "hla3", C.HLA3State, (_KV_S, _KV_C, _Q_H), C.hla3_stages,
     public=hla3, reference=R.recurrent_hla3, key_mix=True, value_mix=True))
+_builtin(OperatorSpec(
+    "ccq", C.CCQState, (_KV_S, Field("h", "kv", ("K", "V"))), C.ccq_stages,
+    public=ccq, reference=R.recurrent_ccq, key_mix=True))
 _builtin(OperatorSpec(
     "linear", C.LinearState, (Field("h", "kv", ("K", "V")),), C.linear_stages,
     public=linear_attention, reference=R.recurrent_linear_attention, higher_order=False,

@@ -52,6 +52,16 @@ def naive_linear_attention(q, k, v, log_decay=None, scale=None, initial_state=No
     return o.transpose(1, 2), final
 
 
+def naive_ccq(q, k, v, log_decay=None, scale=None):
+    """o = ((Q~ K^T) ⊙ D) V with Q~ = ((Q K^T) ⊙ D) K, that is
+    o_t = sum_{i, j <= t} exp(A_t - A_i) exp(A_t - A_j) (q_t.k_i)(k_i.k_j) v_j."""
+    qs, g = _prep(q, k, log_decay, scale)
+    Q, Kk, Vv = _heads_first(qs, k, v)
+    D = _decay_matrix(g)
+    Qt = ((Q @ Kk.transpose(-1, -2)) * D) @ Kk
+    return (((Qt @ Kk.transpose(-1, -2)) * D) @ Vv).transpose(1, 2)
+
+
 def _hla2_matrix(Q, Kk, D, ridge):
     """M[t, j] = sum_{i<=j<=t} exp(A_t - A_i)(q_t.k_i)(k_i.q_j) (+ ridge exp(A_t - A_j) q_t.q_j)."""
     T = Q.shape[-2]
@@ -193,6 +203,24 @@ def recurrent_hla3(q, k, v, log_decay=None, scale=None, initial_state=None):
         Hs = gam * Hs + _outer(k_tilde, u)
         out.append(torch.einsum("bhk,bhkv->bhv", qt, Hs))
     return torch.stack(out, 1), (S, C, Hs)
+
+
+def recurrent_ccq(q, k, v, log_decay=None, scale=None, initial_state=None):
+    """S_t = gS + k k^T, h_t = gh + k v^T, q~ = S_t q_t, o = h_t^T q~. Returns (o, (S, h))."""
+    qs, g = _prep(q, k, log_decay, scale)
+    B, _T, H, K = q.shape
+    V = v.shape[-1]
+    if initial_state is None:
+        S, h = q.new_zeros(B, H, K, K), q.new_zeros(B, H, K, V)
+    else:
+        S, h = (x.to(q.dtype) for x in initial_state)
+    out = []
+    for _, qt, kt, vt, gam in _steps(qs, k, v, g):
+        S = gam * S + _outer(kt, kt)
+        h = gam * h + _outer(kt, vt)
+        q_tilde = torch.einsum("bhj,bhji->bhi", qt, S)
+        out.append(torch.einsum("bhk,bhkv->bhv", q_tilde, h))
+    return torch.stack(out, 1), (S, h)
 
 
 # --------------------------------------------------------------------------- the paper's loops
