@@ -35,6 +35,7 @@ BUILTIN_OPERATORS: dict[str, OperatorFacts] = {
     "hla2": OperatorFacts(("normalize", "eps", "ridge")),
     "ahla": OperatorFacts(),
     "hla3": OperatorFacts(),
+    "ccq": OperatorFacts(),
     "linear": OperatorFacts(higher_order=False),
 }
 _REGISTERED: dict[str, OperatorFacts] = {}
