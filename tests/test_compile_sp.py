@@ -41,7 +41,7 @@ def _flat_state(st: tuple) -> list[torch.Tensor]:
 
 
 def layer_task(rank: int, P: int, op: str, layout: str, lengths: list[int] | None,
-               packed: bool, carried: bool) -> dict:
+               packed: bool, carried: bool, decay: str = "data") -> dict:
     """Eager, then compiled: the loss, every parameter's gradient, the input's gradient
     and the final states of one sharded layer call, on this rank."""
     import os
@@ -53,7 +53,7 @@ def layer_task(rank: int, P: int, op: str, layout: str, lengths: list[int] | Non
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    m = HLAttention(D, 4, 4, num_kv_heads=2, operator=op, decay="data", chunk_size=8).double()
+    m = HLAttention(D, 4, 4, num_kv_heads=2, operator=op, decay=decay, chunk_size=8).double()
     with torch.no_grad():  # zero at init: give the data gate and the first-order path values
         for p in (m.heads.decay_weight, m.heads.key_mix, m.heads.value_mix):
             if p is not None:
@@ -123,6 +123,47 @@ def test_compiled_layer_under_sp_equals_eager(world, op, layout, lengths, packed
             atol = 1e-12 * float(b.abs().max()) if b.numel() else 0.0
             torch.testing.assert_close(a, b, rtol=1e-12, atol=atol,
                                        msg=lambda m, r=r, i=i: f"rank {r}, tensor {i}: {m}")
+
+
+@pytest.mark.parametrize("decay", ["learned", "fixed", "none"])
+def test_compiled_layer_under_sp_every_decay_kind(world, decay):
+    """The layer's other decay kinds trace too: a per-head constant log_decay ("learned",
+    the default, and "fixed") is broadcast over tokens, which the agreement check reads
+    as a replicated value without leaving the graph."""
+    outs = world(2).run(layer_task, "hla2", "zigzag", None, False, False, decay)
+    for r, o in enumerate(outs):
+        assert o["graphs"] == 1, (r, o["graphs"])
+        for i, (a, b) in enumerate(zip(o["compiled"], o["eager"])):
+            atol = 1e-12 * float(b.abs().max()) if b.numel() else 0.0
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=atol,
+                                       msg=lambda m, r=r, i=i: f"rank {r}, tensor {i}: {m}")
+
+
+def readme_task(rank: int, P: int) -> dict:
+    """The README's example, ``hla2(q, k, v, log_decay=torch.full((H,), -0.01), sp=sp)``
+    on a zigzag shard, eager and compiled with fullgraph."""
+    import hla_sp
+    from hla_sp import SequenceParallel
+
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(rank)
+    B, Tl, H, K = 1, 16, 2, 8
+    q, k, v = (torch.randn(B, Tl, H, K, generator=g, dtype=torch.float64) for _ in range(3))
+    log_decay = torch.full((H,), -0.01, dtype=torch.float64)
+    sp = SequenceParallel(layout="zigzag")
+
+    def f(q, k, v):
+        return hla_sp.hla2(q, k, v, log_decay=log_decay, sp=sp)[0]
+
+    counter = {"graphs": 0}
+    compiled = torch.compile(f, fullgraph=True, backend=_graph_counter(counter))(q, k, v)
+    return {"eager": f(q, k, v), "compiled": compiled, "graphs": counter["graphs"]}
+
+
+def test_readme_example_compiles_under_sp(world):
+    for r, o in enumerate(world(2).run(readme_task)):
+        assert o["graphs"] == 1, (r, o["graphs"])
+        torch.testing.assert_close(o["compiled"], o["eager"], rtol=1e-12, atol=1e-12)
 
 
 def mismatch_task(rank: int, P: int) -> None:

@@ -150,8 +150,9 @@ def decay_kind(g: torch.Tensor | None) -> tuple[int, torch.Tensor | None]:
     if g.shape[1] < 2:
         return _UNKNOWN_KIND, None
     if g.stride(1) == 0:
-        B, _, H = g.shape
-        return 2, g.detach().as_strided((B, H), (g.stride(0), g.stride(2)), g.storage_offset())
+        # every token holds the same values: token 0's view is the constant. A plain index,
+        # not as_strided with the storage offset, which dynamo cannot trace.
+        return 2, g.detach()[:, 0]
     return 1, None
 
 
