@@ -124,13 +124,17 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def prune(root: str, newest: int, keep_last: int) -> None:
+def prune(root: str, newest: int, keep_last: int, keep: set[int] | frozenset[int] = frozenset()
+          ) -> None:
     """Delete the checkpoints older than ``newest`` beyond the newest ``keep_last``; those
-    above it (a run resumed from an earlier --ckpt-step) are not this run's to delete.
+    above it (a run resumed from an earlier --ckpt-step) are not this run's to delete,
+    and neither are those in ``keep`` (the newest finite one, the one the run loaded).
     Each is renamed first, so a crash mid-delete never leaves a partial checkpoint under
     a checkpoint's name."""
     older = [it for it in complete_iterations(root) if it < newest]
     for it in older[: max(0, len(older) - (keep_last - 1))]:
+        if it in keep:
+            continue
         doomed = iter_dir(root, it) + DEL
         os.replace(iter_dir(root, it), doomed)
         shutil.rmtree(doomed, ignore_errors=True)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from hla_sp.launch.checkpoint import legacy, sharded
+from hla_sp.launch.checkpoint import legacy, manifest, sharded
 from hla_sp.launch.checkpoint.layout import (
     COMMON,
     CONFIG,
@@ -63,6 +63,8 @@ def save(
     config: dict[str, Any],
     extra: dict[str, Any] | None = None,
     keep_last: int | None = None,
+    finite: bool = True,
+    loaded: int | None = None,
 ) -> str:
     """Write a checkpoint collectively (every rank calls it); return its directory.
 
@@ -74,21 +76,26 @@ def save(
     the callers. The config is also written as ``config.json``, which ``--load``
     compares with the new run's flags before any process group exists. With
     ``keep_last`` N, older checkpoints beyond the newest N are deleted once this one
-    is the latest.
+    is the latest, except the newest one recorded as ``finite`` (the run's loss,
+    gradient norm and weights were finite when it was saved) and ``loaded`` (the
+    iteration this run resumed from, when it resumed from ``root``): a run that went
+    non-finite must leave a checkpoint to go back to. Every file's size and SHA-256
+    go into ``manifest.json`` (:mod:`.manifest`), which a load verifies.
     """
     from hla_sp.launch import faults
 
     del tp_rank  # the pieces carry their place: no per-TP-rank file any more
     with faults.saving(iteration):
         return _save(root, iteration, rank, world_size, writes_model, model, optimizer,
-                     scheduler, consumed_samples, config, dict(extra or {}), keep_last)
+                     scheduler, consumed_samples, config, dict(extra or {}), keep_last,
+                     finite, loaded)
 
 
 def _save(
     root: str, iteration: int, rank: int, world_size: int, writes_model: bool,
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
     consumed_samples: int, config: dict[str, Any], extra: dict[str, Any],
-    keep_last: int | None,
+    keep_last: int | None, finite: bool, loaded: int | None,
 ) -> str:
     from hla_sp.launch import faults
 
@@ -120,8 +127,18 @@ def _save(
         {"rng": rng_state(), "world_size": world_size, "layout": layout(world_size)},
         os.path.join(tmp, f"rng_rank{rank:05d}.pt"),
     )
-    dist.barrier()  # every file is complete before the directory becomes visible
+    # each rank digests the files it wrote (see .manifest for why not rank 0 alone); the
+    # gather returns only once every rank has written and digested everything, so the
+    # manifest is complete before the directory becomes visible
+    mine = manifest.digest_files(tmp, manifest.rank_files(tmp, rank))
+    gathered: list[dict[str, Any] | None] = [None] * world_size
+    if world_size > 1:
+        dist.all_gather_object(gathered, mine)
+    else:
+        gathered = [mine]
     if rank == 0:
+        manifest.write(tmp, iteration, {k: v for g in gathered for k, v in (g or {}).items()},
+                       finite)
         old = final + OLD
         if os.path.isdir(final):
             # re-saving an iteration: move the old copy aside, never delete it first, so
@@ -133,7 +150,8 @@ def _save(
         fsync_dir(root)
         shutil.rmtree(old, ignore_errors=True)
         if keep_last is not None:
-            prune(root, iteration, keep_last)
+            keep = {manifest.newest_finite(root), loaded} - {None}
+            prune(root, iteration, keep_last, keep=keep)  # type: ignore[arg-type]
     dist.barrier()
     return final
 
@@ -160,6 +178,7 @@ def load(
     d = checkpoint_dir(root, it)
     if not os.path.isdir(d):
         raise FileNotFoundError(f"--load {root}: no complete checkpoint {d}")
+    manifest.verify(d, it)  # every file, before any is read (collective)
     if not os.path.isfile(os.path.join(d, COMMON)) and os.path.isfile(
             os.path.join(d, LEGACY_MODEL)):
         return legacy.load(d, rank=rank, world_size=world_size, tp_rank=tp_rank,
@@ -170,6 +189,9 @@ def load(
     missing = [k for k in _COMMON_KEYS if k not in common]
     if missing:
         raise CheckpointError(f"{path}: missing entries {missing}")
+    if common["iteration"] != it:
+        raise CheckpointError(f"{path}: records iteration {common['iteration']}, expected {it} "
+                              f"(the directory's); the file is from another checkpoint")
     where = os.path.join(d, SHARDED)
     described = sharded.describe_model(model, writes=False)
     pieces, optim_state = sharded.optimizer_targets(optimizer, described, common["optimizer"],
@@ -197,6 +219,7 @@ def load_weights(root: str, iteration: int, model: torch.nn.Module) -> None:
     size). For tools that run the model without its optimizer (``hla-sp generate``);
     collective when the process group has several ranks."""
     d = checkpoint_dir(root, iteration)
+    manifest.verify(d, iteration)
     if not os.path.isfile(os.path.join(d, COMMON)) and os.path.isfile(
             os.path.join(d, LEGACY_MODEL)):
         tp, _ = sharded.parallel_sizes()
