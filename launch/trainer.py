@@ -9,7 +9,12 @@ Each optimizer step:
    (its masked loss sum) / (global token count), so summing gradients over the DP x CP
    group gives exactly the single-process gradient;
 3. gradients are all-reduced over DP x CP, clipped by the global norm (TP-aware), and
-   AdamW steps with Megatron's warmup + cosine scheduler.
+   AdamW steps with Megatron's warmup + cosine scheduler;
+4. unless --no-check-for-nan-in-loss-and-grad, a non-finite loss or gradient norm stops
+   the run before the optimizer steps (Megatron's --check-for-nan-in-loss-and-grad):
+   :class:`NonFiniteError`, raised on every rank alike (both values are global), with
+   nothing stepped, saved or pruned. An fp16 overflow is the loss scaler's skip, not a
+   stop.
 
 :func:`hla_sp.launch.train.run` builds it inside a process group (under torchrun, and
 in each worker of the Ray sweep).
@@ -17,6 +22,8 @@ in each worker of the Ray sweep).
 
 from __future__ import annotations
 
+import math
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +47,21 @@ def _param_groups(masters: MasterWeights, weight_decay: float) -> list[dict[str,
         {"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0},
         {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0},
     ]
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or the gradient norm was NaN or infinite; the message is the run's one
+    line: the iteration, the value, and the checkpoint to resume from."""
+
+
+def non_finite(loss: float, grad_norm: float, skipped: bool) -> str:
+    """What was not finite in a step ("loss (nan)", "grad-norm (inf)", both), or "". The
+    gradients of an fp16 step the loss scaler skipped are its to handle (an overflow is
+    a skip, not a stop); its loss is checked as any other, as Megatron does."""
+    bad = [f"loss ({loss})"] if not math.isfinite(loss) else []
+    if not skipped and not math.isfinite(grad_norm):
+        bad.append(f"grad-norm ({grad_norm})")
+    return " and ".join(bad)
 
 
 class Trainer:
@@ -148,8 +170,10 @@ class Trainer:
         for g, r in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
             g.copy_(r)
 
-    def _clip(self) -> float:
-        """Clip by the global L2 norm; TP-duplicated parameters are counted once."""
+    def _clip(self, loss_sum: torch.Tensor) -> tuple[float, float]:
+        """Clip by the global L2 norm; TP-duplicated parameters are counted once. Return
+        the norm and ``loss_sum``, read from the device together: the step's one host
+        read serves the clip, the non-finite check and the record."""
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
         sq = torch.zeros((), dtype=torch.float32, device=self.topo.device)
@@ -159,13 +183,14 @@ class Trainer:
                 sq += m.grad.float().pow(2).sum()
         if self.topo.tp > 1:
             dist.all_reduce(sq, group=self.tp_group)
-        norm = float(sq.sqrt())
+        norm, loss = torch.stack([sq.sqrt().double(), loss_sum.reshape(()).to(sq.device)]
+                                 ).tolist()
         if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
             scale = self.cfg.clip_grad / (norm + 1e-6)
             for _, m in pairs:
                 if m.grad is not None:
                     m.grad.mul_(scale)
-        return norm
+        return norm, loss
 
     def _batches(self, samples: Any, consumed: int) -> list[dict[str, torch.Tensor]]:
         """This rank's CP share of its microbatches of the global batch at ``consumed``."""
@@ -256,9 +281,14 @@ class Trainer:
             self.scaler.update(skipped)
         lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step used
         if skipped:  # fp16 overflow: no update, and the schedule waits (as Megatron)
-            grad_norm = float("nan")
+            grad_norm, loss_total = float("nan"), float(loss_sum.item())
         else:
-            grad_norm = self._clip()
+            grad_norm, loss_total = self._clip(loss_sum)
+        loss = loss_total / max(total_tokens, 1.0)
+        bad = non_finite(loss, grad_norm, skipped) if cfg.check_for_nan_in_loss_and_grad else ""
+        if bad:
+            raise NonFiniteError(self._non_finite_line(bad))
+        if not skipped:
             self.optimizer.step()
             self.masters.copy_to_model()
             self.scheduler.step(1)
@@ -276,7 +306,7 @@ class Trainer:
             "iteration": self.iteration,
             "consumed_tokens": self.consumed_samples * cfg.seq_length,
             "tflops_per_s": self.flops_per_step / dt / 1e12,
-            "loss": float(loss_sum.item() / max(total_tokens, 1.0)),
+            "loss": loss,
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens": tokens,
@@ -293,7 +323,44 @@ class Trainer:
             **({"loss_scale": scale, "skipped": skipped} if self.scaler is not None else {}),
         }
 
-    def save(self) -> str:
+    def _non_finite_line(self, what: str) -> str:
+        """The stop's one line: where, what, and the checkpoint to go back to."""
+        cfg, it = self.cfg, self.iteration + 1
+        head = (f"non-finite {what} at iteration {it}: stopped before the optimizer step, "
+                f"nothing saved")
+        where = None
+        good = checkpoint.newest_finite(cfg.save) if cfg.save else None
+        if good is not None:
+            where = (cfg.save, good)
+        elif self.resumed_from is not None and cfg.load:
+            where = (cfg.load, self.resumed_from)
+        if where is None:
+            return (f"{head}; no finite checkpoint to resume from (lower --lr, or "
+                    f"--no-check-for-nan-in-loss-and-grad to train on regardless)")
+        return (f"{head}; the last finite checkpoint is iteration {where[1]} in {where[0]}: "
+                f"resume with --load {where[0]} --ckpt-step {where[1]} (lower --lr, or "
+                f"--no-check-for-nan-in-loss-and-grad to train on regardless)")
+
+    def _weights_finite(self) -> bool:
+        """Every rank's weights (fp32 masters) finite: one reduction, read once."""
+        ok = torch.stack([torch.isfinite(m).all() for m in self.masters.main]).all()
+        flag = ok.to(torch.int32).reshape(1)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def save(self, last: dict[str, Any] | None = None) -> str:
+        """Write this iteration's checkpoint; ``last`` is its record, whose loss (and
+        gradient norm, unless an fp16 skip) must be finite, like the weights, for the
+        checkpoint to count as finite (what --keep-last never deletes)."""
+        cfg = self.cfg
+        finite = self._weights_finite()
+        if last is not None:
+            finite = finite and math.isfinite(last["loss"]) and (
+                last.get("skipped", False) or math.isfinite(last["grad_norm"]))
+        # the checkpoint this run resumed from stays, when it lives in --save
+        same = (cfg.load is not None and cfg.save is not None and os.path.isdir(cfg.load)
+                and os.path.isdir(cfg.save) and os.path.samefile(cfg.load, cfg.save))
         return checkpoint.save(
             self.cfg.save,  # type: ignore[arg-type]
             self.iteration,
@@ -307,6 +374,8 @@ class Trainer:
             consumed_samples=self.consumed_samples,
             config=self.cfg.to_dict(),
             keep_last=self.cfg.keep_last,
+            finite=finite,
+            loaded=self.resumed_from if same else None,
             extra={
                 **self.masters.state_dict(),
                 **({"loss_scaler": self.scaler.state_dict()} if self.scaler else {}),
@@ -356,7 +425,7 @@ class Trainer:
                 # --exit-signal-handler: every rank stops after the same iteration
                 signalled = signals.agreed(self.topo.device) if cfg.exit_signal_handler else 0
                 if cfg.save and (done or stop or periodic or signalled):
-                    path = self.save()
+                    path = self.save(rec)
                     if first:
                         metrics.say(f"saved checkpoint {path}")
                 if signalled and not done:

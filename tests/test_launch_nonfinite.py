@@ -1,0 +1,135 @@
+"""A run whose loss or gradient norm goes non-finite stops before the optimizer step,
+saves and prunes nothing, says so in one line naming the iteration, the value and the
+checkpoint to resume from, and exits non-zero (Megatron's
+--check-for-nan-in-loss-and-grad, on by default). With the check off it trains on, and
+--keep-last still keeps the newest finite checkpoint and the one the run loaded."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from hla_sp.launch import checkpoint
+from hla_sp.launch.checkpoint import manifest
+from hla_sp.launch.config import parse_args
+from hla_sp.launch.local import run_local
+from hla_sp.launch.train import run
+
+TINY = [
+    "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--seq-length", "32", "--lr", "3e-3", "--seed", "7", "--micro-batch-size", "2",
+]  # fmt: skip
+# the issue's reproduction: an absurd constant rate makes the weights blow up
+BLOW_UP = ["--override-opt_param-scheduler", "--lr", "1e25", "--min-lr", "1e25",
+           "--lr-decay-style", "constant", "--keep-last", "1", "--save-interval", "1"]
+
+
+def test_the_flag_is_on_by_default_and_has_a_no_form(tmp_path: Path) -> None:
+    assert parse_args(TINY).check_for_nan_in_loss_and_grad is True
+    assert parse_args([*TINY, "--check-for-nan-in-loss-and-grad"]).check_for_nan_in_loss_and_grad
+    assert not parse_args([*TINY, "--no-check-for-nan-in-loss-and-grad"]
+                          ).check_for_nan_in_loss_and_grad
+    toml = tmp_path / "run.toml"
+    toml.write_text("check_for_nan_in_loss_and_grad = false\n")
+    assert not parse_args([*TINY, "--config", str(toml)]).check_for_nan_in_loss_and_grad
+
+
+def test_non_finite_training_stops_in_one_line_with_nothing_saved(tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    run(parse_args([*TINY, "--train-iters", "2", "--save", str(ck)]), exit_on_error=False)
+    out = run_local([*TINY, "--context-parallel-size", "2", "--train-iters", "12",
+                     "--load", str(ck), "--save", str(ck), *BLOW_UP],
+                    2, str(tmp_path / "m.jsonl"), timeout=300)  # fmt: skip
+    assert out.returncode != 0, out.output[-3000:]
+    # the iterations that finished were finite; the next one is the stop
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in out.records)
+    stop = 2 + len(out.records) + 1
+    assert stop <= 12, out.output[-3000:]
+    lines = [x for x in out.output.splitlines() if "non-finite" in x]
+    assert len(lines) == 1, out.output[-3000:]
+    good = stop - 1  # the newest checkpoint, finite
+    assert lines[0] == (
+        f"hla-sp train: error: non-finite {lines[0].split('non-finite ')[1].split(' at ')[0]}"
+        f" at iteration {stop}: stopped before the optimizer step, nothing saved; the last "
+        f"finite checkpoint is iteration {good} in {ck}: resume with --load {ck} --ckpt-step "
+        f"{good} (lower --lr, or --no-check-for-nan-in-loss-and-grad to train on regardless)")
+    assert "loss (nan)" in lines[0] or "grad-norm (" in lines[0], lines[0]
+    # --keep-last 1 kept it, and the one the run loaded
+    assert checkpoint.complete_iterations(str(ck)) == sorted({2, good})
+    assert checkpoint.latest_iteration(str(ck)) == good
+    body = json.loads((Path(checkpoint.iter_dir(str(ck), good)) / "manifest.json").read_text())
+    assert body["finite"] is True
+    # both ranks' files are in the manifest, which the stop did not touch
+    assert {"rng_rank00000.pt", "rng_rank00001.pt"} <= set(body["files"])
+    assert f"iter_{stop:07d}" not in out.output  # not saved, not even begun
+
+
+def test_without_the_check_keep_last_keeps_the_newest_finite_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """--no-check-for-nan-in-loss-and-grad saves the NaN iteration (until the HLA
+    operators refuse its NaN decay, an error exit); --keep-last 1 keeps the finite
+    checkpoint before it, and the error exit released --save's lock."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    ck = tmp_path / "ck"
+    records: list[dict] = []
+    try:
+        with pytest.raises(ValueError, match="got max nan"):
+            run(parse_args([*TINY, "--train-iters", "6", "--save", str(ck), *BLOW_UP,
+                            "--no-check-for-nan-in-loss-and-grad"]),
+                on_record=records.append, exit_on_error=False)
+    finally:  # run() leaves the group to its caller when it raises
+        ps.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert not math.isfinite(records[-1]["loss"]), records  # it trained on through NaN
+    kept = checkpoint.complete_iterations(str(ck))
+    finite = [manifest.is_finite(checkpoint.iter_dir(str(ck), it)) for it in kept]
+    # the newest (non-finite) one, and the newest finite one before it
+    assert kept[-1] == records[-1]["iteration"] and finite == [True, False], (kept, finite)
+    assert checkpoint.newest_finite(str(ck)) == kept[0]
+    assert not (ck / checkpoint.LOCK).exists()
+
+
+def test_keep_last_never_deletes_the_newest_finite_or_the_loaded_checkpoint(
+    tmp_path: Path, group: None
+) -> None:
+    import torch
+
+    def save(root: Path, it: int, **kw: object) -> None:
+        model = torch.nn.Linear(3, 2)
+        opt = torch.optim.AdamW(model.parameters())
+        checkpoint.save(str(root), it, rank=0, world_size=1, tp_rank=0, writes_model=True,
+                        model=model, optimizer=opt,
+                        scheduler=torch.optim.lr_scheduler.StepLR(opt, 1), consumed_samples=it,
+                        config={}, keep_last=1, **kw)  # type: ignore[arg-type]
+
+    a = tmp_path / "a"
+    save(a, 1)
+    save(a, 2, finite=False)
+    save(a, 3, finite=False)
+    assert checkpoint.complete_iterations(str(a)) == [1, 3]
+    save(a, 4)  # finite again: the older finite one may go now
+    assert checkpoint.complete_iterations(str(a)) == [4]
+    b = tmp_path / "b"
+    save(b, 2)
+    save(b, 3, loaded=2)  # resumed from 2 and saving into the same directory
+    save(b, 4, loaded=2)
+    assert checkpoint.complete_iterations(str(b)) == [2, 4]
+
+
+def test_the_check_names_the_value_and_leaves_fp16_overflows_to_the_scaler() -> None:
+    from hla_sp.launch.trainer import non_finite
+
+    nan, inf = float("nan"), float("inf")
+    assert non_finite(5.0, 2.0, skipped=False) == ""
+    assert non_finite(nan, 2.0, skipped=False) == "loss (nan)"
+    assert non_finite(5.0, inf, skipped=False) == "grad-norm (inf)"
+    assert non_finite(nan, nan, skipped=False) == "loss (nan) and grad-norm (nan)"
+    # an fp16 overflow: the scaler skipped the step (its norm is recorded as NaN)
+    assert non_finite(5.0, nan, skipped=True) == ""
+    assert non_finite(inf, nan, skipped=True) == "loss (inf)"
