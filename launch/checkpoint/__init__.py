@@ -9,6 +9,10 @@ Layout (a shared filesystem is assumed, as Megatron does)::
     SAVE/iter_0000042/model_optim/             torch.distributed.checkpoint (DCP): weights,
                                                fp32 masters, optimizer moments, whole tensors
     SAVE/iter_0000042/rng_rank00003.pt         one per rank: torch, CUDA, python, numpy RNG
+    SAVE/iter_0000042/manifest.json            rank 0, last: every file's size and SHA-256,
+                                               the iteration (:mod:`.manifest`; a load
+                                               verifies them)
+    SAVE/save.lock                             the run writing here (:mod:`.lock`)
 
 The model and optimizer tensors are saved as pieces of global tensors, named and placed
 by megatron-core's ``sharded_state_dict`` (:mod:`.sharded`), so a checkpoint loads at
@@ -44,6 +48,15 @@ from hla_sp.launch.checkpoint.layout import (
     latest_iteration,
     resume_iteration,
 )
+from hla_sp.launch.checkpoint.lock import (
+    LOCK,
+    SaveLock,
+    SaveLockError,
+    check_save_lock,
+    hold,
+)
+from hla_sp.launch.checkpoint.lock import release_all as release_save_locks
+from hla_sp.launch.checkpoint.manifest import MANIFEST, newest_finite, verify
 from hla_sp.launch.checkpoint.preflight_checks import (
     check_resume_layout,
     check_resume_schedule,
@@ -62,26 +75,35 @@ __all__ = [
     "CONFIG",
     "LATEST",
     "LEGACY_MODEL",
+    "LOCK",
+    "MANIFEST",
     "SHARDED",
     "CheckpointError",
+    "SaveLock",
+    "SaveLockError",
     "check_config_dict",
     "check_resume_layout",
     "check_resume_schedule",
     "check_save_dir",
+    "check_save_lock",
     "checkpoint_dir",
     "complete_iterations",
     "dir_bytes",
     "estimate_checkpoint_bytes",
+    "hold",
     "is_complete",
     "iter_dir",
     "latest_iteration",
     "load",
     "load_weights",
+    "newest_finite",
     "preflight",
+    "release_save_locks",
     "resume_iteration",
     "rng_state",
     "save",
     "saved_config",
     "schedule_diff",
     "set_rng_state",
+    "verify",
 ]
