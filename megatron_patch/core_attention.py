@@ -19,6 +19,7 @@ import weakref
 from typing import Any
 
 import torch
+from hla_sp.megatron_patch.documents import DocumentParams
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -235,7 +236,12 @@ class HLACoreAttention(MegatronModule):
         if cu_seqlens is not None and q.shape[0] != 1:
             raise ValueError(f"query: a THD batch has batch size 1, got {q.shape[0]}")
         sp = self._sequence_parallel(self._cp_group(packed_seq_params))
-        if self.recurrent is not None:
+        if isinstance(packed_seq_params, DocumentParams):
+            if self.recurrent is not None:
+                raise ValueError("packed_seq_params: expected no documents while decoding "
+                                 "(HLACoreAttention.recurrent is set), got DocumentParams")
+            o = self._documents(q, k, v, packed_seq_params, sp)
+        elif self.recurrent is not None:
             o = self._continue(q, k, v, cu_seqlens, sp)
         else:
             plan = batch_plan(packed_seq_params, cu_seqlens, q.shape[1], sp)
@@ -244,6 +250,30 @@ class HLACoreAttention(MegatronModule):
         if query.dim() == 3:
             return o.reshape(o.shape[1], width)
         return o.transpose(0, 1).reshape(o.shape[1], o.shape[0], width)
+
+    def _documents(self, q: Tensor, k: Tensor, v: Tensor, docs: DocumentParams,
+                   sp: Any) -> Tensor:
+        """The operator over q, k, v [B, T, H, K] with each row cut into ``docs``' documents
+        (``--reset-attention-mask``): one call over the rows laid end to end on one rank;
+        under CP one call per row, as the zigzag shard of each row is its own sequence."""
+        B, T = q.shape[:2]
+        P = 1 if sp is None else _group_size_rank(sp.group)[0]
+        ends = [int(off[-1]) for off in docs.row_offsets]
+        if len(ends) != B or any(e != T * P for e in ends):
+            raise ValueError(
+                f"packed_seq_params.row_offsets: expected {B} rows of documents over "
+                f"{T * P} tokens each (the whole rows, before the CP split), got {len(ends)} "
+                f"rows ending at {ends}")
+        if sp is None:
+            plan = docs.plan("joined", B * T, None, docs.joined(T))
+            o, _ = self.heads(*(x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v)),
+                              plan=plan)
+            return o.reshape(B, T, *o.shape[2:])
+        outs = []
+        for i, off in enumerate(docs.row_offsets):
+            plan = docs.plan(i, T, sp, off)
+            outs.append(self.heads(q[i:i + 1], k[i:i + 1], v[i:i + 1], sp=sp, plan=plan)[0])
+        return torch.cat(outs, 0)
 
     def _continue(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor | None,
                   sp: Any) -> Tensor:

@@ -112,4 +112,11 @@ def refuse_bypasses_at_spec_import(module: str) -> None:
     spec = getattr(args, "spec", None)
     if args is None or not spec or spec[0] != module:
         return
-    refuse_bypasses(args, "--spec " + " ".join(map(str, spec)))
+    route = "--spec " + " ".join(map(str, spec))
+    refuse_bypasses(args, route)
+    if getattr(args, "reset_attention_mask", False):
+        # Megatron's script hands HLA only its [b, 1, s, s] mask, which HLA cannot read
+        raise BypassError(
+            f"--reset-attention-mask with {route}: expected HLA's entry point (python -m "
+            "hla_sp.megatron_patch.pretrain_gpt), which cuts the documents at the EOD tokens; "
+            "got Megatron-LM's own script, whose HLA layers would see across documents")

@@ -43,6 +43,7 @@ def prescan(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--context-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--transformer-impl", default="transformer_engine")
+    p.add_argument("--reset-attention-mask", action="store_true")
     try:
         ns, _ = p.parse_known_args(list(argv))
     except SystemExit:  # a bad value of one of our flags: argparse has printed why
@@ -74,6 +75,7 @@ def check_args(args: Any, route: str | None) -> None:
             raise ValueError("--hla-layer-pattern needs --attention hla2|ahla|hla3")
         return
     refuse_bypasses(args, route)
+    check_reset_attention_mask(args, route)
     freq = getattr(args, "hla_layer_pattern", None)
     if freq is not None:
         if not hla_enabled(args):
@@ -85,6 +87,25 @@ def check_args(args: Any, route: str | None) -> None:
             pattern, context_parallel_size=args.context_parallel_size,
             pipeline_parallel_size=args.pipeline_model_parallel_size,
             use_te=args.context_parallel_size > 1 and _use_te(args))
+
+
+def check_reset_attention_mask(args: Any, route: str) -> None:
+    """``--reset-attention-mask`` reaches HLA as documents cut at the EODs
+    (:mod:`hla_sp.megatron_patch.documents`); refuse where they cannot reach it."""
+    if not getattr(args, "reset_attention_mask", False):
+        return
+    freq = getattr(args, "hla_layer_pattern", None)
+    if freq is not None:
+        raise ValueError(
+            f"--reset-attention-mask with {route} --hla-layer-pattern {freq}: expected HLA in "
+            "every layer (the documents reach HLA as packed_seq_params, which megatron-core's "
+            "softmax DotProductAttention refuses), got a hybrid stack")
+    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    if pp > 1:
+        raise ValueError(
+            f"--reset-attention-mask with {route}: expected --pipeline-model-parallel-size 1 "
+            f"(the documents are cut at the EOD tokens, which the middle stages do not "
+            f"have), got {pp}")
 
 
 def resolve_spec(spec: Sequence[str]) -> Any:

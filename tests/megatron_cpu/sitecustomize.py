@@ -14,6 +14,10 @@ Not part of hla_sp. The tests put this directory on PYTHONPATH and set
   ``get_device_properties`` and the memory counters answer as for one idle device;
 * Megatron's RNG tracker is seeded as on a GPU and keeps its states in a CPU generator.
 
+With ``HLA_SP_TEST_LOGITS=<dir>`` the first training forward of each rank also writes
+its micro-batch's tokens, positions and logits to ``<dir>/rank<r>.pt`` (one more
+forward, without gradient), for tests that compare logits across runs.
+
 Megatron also needs the flags ``--distributed-backend gloo --rerun-mode disabled
 --use-cpu-initialization --transformer-impl local --clip-grad 0`` (clipping asks
 ``Tensor.type()`` for a CUDA type name).
@@ -158,3 +162,26 @@ if os.environ.get("HLA_SP_MEGATRON_CPU_SHIM") == "1":
             setattr(_minit, _name, lambda *_, **__: None)
     if hasattr(_mtraining, "set_jit_fusion_options"):
         _mtraining.set_jit_fusion_options = lambda *_, **__: None
+
+    if os.environ.get("HLA_SP_TEST_LOGITS"):
+        from megatron.core.models.gpt.gpt_model import GPTModel as _GPTModel
+
+        _gpt_forward = _GPTModel.forward
+        _dumped: list[bool] = []
+
+        @functools.wraps(_gpt_forward)
+        def _forward(self: Any, input_ids: Any, position_ids: Any, attention_mask: Any,
+                     *args: Any, **kwargs: Any) -> Any:
+            out = _gpt_forward(self, input_ids, position_ids, attention_mask, *args, **kwargs)
+            if kwargs.get("labels") is not None and not _dumped:
+                _dumped.append(True)
+                with torch.no_grad():  # the same call, logits instead of the loss
+                    logits = _gpt_forward(self, input_ids, position_ids, attention_mask,
+                                          *args, **dict(kwargs, labels=None))
+                rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+                torch.save({"tokens": input_ids, "position_ids": position_ids,
+                            "logits": logits.float()},
+                           os.path.join(os.environ["HLA_SP_TEST_LOGITS"], f"rank{rank}.pt"))
+            return out
+
+        _GPTModel.forward = _forward
