@@ -18,11 +18,13 @@ from typing import Any
 
 import torch
 from hla_sp.launch.config import TrainConfig
+from hla_sp.megatron_patch.vocab import mask_padded_vocab
 from torch.utils.checkpoint import checkpoint
 
 
 def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
-    """Megatron's padding: a multiple of ``divisible_by * tp``."""
+    """Megatron's padding: a multiple of ``divisible_by * tp`` (the model masks the padding
+    ids' logits: :func:`hla_sp.megatron_patch.vocab.mask_padded_vocab`)."""
     m = divisible_by * tp
     return (vocab + m - 1) // m * m
 
@@ -142,6 +144,9 @@ def build_model(
     # table, HLA's own parameters)
     with torch.device(device) if on_gpu else contextlib.nullcontext():
         model = _gpt(GPTModel, cfg, vocab_size, device)
+    # the padded rows take no probability, so the loss does not depend on the padding
+    # (--make-vocab-size-divisible-by x TP), nor on what resharding put in those rows
+    mask_padded_vocab(model, vocab_size)
     granularity = cfg.recompute_granularity or ("selective" if cfg.recompute_activations else None)
     apply_recompute(model, granularity)
     _check_attention(cfg, model)

@@ -94,6 +94,8 @@ class Trainer:
         self.operator = ns.attention if hla_enabled(ns) else None
         self.route = hla_route(ns, user_spec)
         self._checked = False
+        self._eod: int | None = None
+        self._vocab_masked: set[int] = set()
 
     # -- model -------------------------------------------------------------------------
     def check_model(self, model: Any) -> None:
@@ -143,6 +145,18 @@ class Trainer:
         self.check_model(model)
         return model
 
+    def mask_vocab(self, model: Any) -> None:
+        """Logits at Megatron's padding ids (>= the tokenizer's vocabulary) set to -inf in
+        each model chunk, once (:mod:`hla_sp.megatron_patch.vocab`): the loss is then the
+        same whatever ``--make-vocab-size-divisible-by`` x TP pads to."""
+        if id(model) in self._vocab_masked:
+            return
+        from hla_sp.megatron_patch.vocab import mask_padded_vocab
+        from megatron.training import get_args
+
+        mask_padded_vocab(model, int(_tokenizer(get_args()).vocab_size))
+        self._vocab_masked.add(id(model))
+
     # -- data --------------------------------------------------------------------------
     def datasets_provider(self, train_val_test_num_samples: Any, vp_stage: Any = None) -> Any:
         """Megatron's GPT (or mock) datasets, configured from the parsed flags."""
@@ -181,15 +195,28 @@ class Trainer:
             dataset_type, train_val_test_num_samples, built_on_this_rank, config
         ).build()
 
+    def documents(self, tokens: Any, args: Any) -> Any:
+        """The HLA layers' documents of a whole micro-batch under ``--reset-attention-mask``
+        (:mod:`hla_sp.megatron_patch.documents`), else None: HLA does not read Megatron's
+        attention mask, so the documents are cut where it would cut them, at the EODs."""
+        if not (self.expect_hla and getattr(args, "reset_attention_mask", False)):
+            return None
+        from hla_sp.megatron_patch.documents import DocumentParams
+
+        if self._eod is None:
+            self._eod = int(_tokenizer(args).eod)
+        return DocumentParams.from_tokens(tokens, self._eod)
+
     def get_batch(self, data_iterator: Any) -> tuple:
-        """(tokens, labels, loss_mask, attention_mask, position_ids) on this CP rank."""
+        """(tokens, labels, loss_mask, attention_mask, position_ids, documents) on this CP
+        rank; documents: :meth:`documents` of the whole rows, before the CP split."""
         import torch
         from megatron.core import parallel_state as ps
         from megatron.training import get_args
 
         args = get_args()
         if not (ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage()):
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         device = torch.device("cuda", torch.cuda.current_device()) \
             if torch.cuda.is_available() else torch.device("cpu")
         if ps.get_tensor_model_parallel_world_size() > 1:
@@ -206,10 +233,11 @@ class Trainer:
                      for k, v in raw.items()}
         batch = {k: batch.get(k) for k in
                  ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")}
+        documents = self.documents(batch["tokens"], args)
         if args.context_parallel_size > 1:
             batch = cp_split(batch, ps.get_context_parallel_group())
         return (batch["tokens"], batch["labels"], batch["loss_mask"], batch["attention_mask"],
-                batch["position_ids"])
+                batch["position_ids"], documents)
 
     @staticmethod
     def loss_func(loss_mask: Any, output_tensor: Any) -> tuple:
@@ -226,8 +254,11 @@ class Trainer:
     def forward_step(self, data_iterator: Any, model: Any, *_: Any, **__: Any) -> tuple:
         """One micro-batch: the model's per-token loss and the loss function."""
         self.check_model(model)  # the 0.19+ builder path builds without model_provider
-        tokens, labels, loss_mask, attention_mask, position_ids = self.get_batch(data_iterator)
-        out = model(tokens, position_ids, attention_mask, labels=labels)
+        self.mask_vocab(model)
+        tokens, labels, loss_mask, attention_mask, position_ids, documents = \
+            self.get_batch(data_iterator)
+        extra = {} if documents is None else {"packed_seq_params": documents}
+        out = model(tokens, position_ids, attention_mask, labels=labels, **extra)
         return out, partial(self.loss_func, loss_mask)
 
 

@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -77,16 +78,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def pretrain(version: str, nproc: int, *argv: str) -> tuple[subprocess.CompletedProcess, list]:
+def pretrain(version: str, nproc: int, *argv: str, base: list[str] = BASE,
+             env_extra: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, list]:
     """Run the entry point; returns the process and the logged losses (iteration order)."""
     require(version)
     port = str(free_port())
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(SHIM), str(MCORE_DIR / version)]),
         HLA_SP_MEGATRON_CPU_SHIM="1", CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1",
-        PYTHONWARNINGS="ignore", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+        PYTHONWARNINGS="ignore", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **(env_extra or {}),
     )
-    entry = ["-m", "hla_sp.megatron_patch.pretrain_gpt", *BASE, *argv]
+    entry = ["-m", "hla_sp.megatron_patch.pretrain_gpt", *base, *argv]
     if nproc == 1:  # the command as a user types it
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         cmd = [str(PY312), *entry]
@@ -225,3 +227,112 @@ def test_missing_environment_fails_under_ci(monkeypatch, tmp_path):
     monkeypatch.setenv("CI", "false")
     with pytest.raises(pytest.skip.Exception, match="make setup-megatron"):
         require("0.19.2")
+
+
+# --reset-attention-mask: byte-level documents (EOD 256 = NullTokenizer's eod at
+# --vocab-size 257 on 0.19), a file of them, and a run that records its first logits.
+RESET = ("--reset-attention-mask", "--reset-position-ids")
+DATA_BASE = [a for a in BASE if a != "--mock-data"] + [
+    "--vocab-size", "257", "--split", "1,0,0"]
+
+
+def _documents(prefix: Path, changed: bool) -> str:
+    """Twenty documents of 6-20 bytes, one per line; ``changed``: every 4th holds other
+    bytes of the same lengths, so every sample keeps its layout and only they differ."""
+    import random
+
+    from hla_sp.launch.make_dataset import make_dataset
+
+    rnd, other = random.Random(0), random.Random(1)
+    lines = []
+    for i in range(20):
+        n = rnd.randint(6, 20)
+        text = "".join(rnd.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(n))
+        if changed and i % 4 == 0:
+            text = "".join(other.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(n))
+        lines.append("x" + text)  # never blank: each line is one document
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    src = prefix.parent / "docs.txt"
+    src.write_text("\n".join(lines) + "\n")
+    make_dataset([str(src)], str(prefix), split_lines=True)
+    return str(prefix)
+
+
+def _logits_run(tmp: Path, name: str, changed: bool, nproc: int, *argv: str) -> list[dict]:
+    """A 0.19.2 run on the documents; every rank's first (tokens, positions, logits)."""
+    import torch
+
+    out = tmp / f"{name}-logits"
+    out.mkdir()
+    data = _documents(tmp / name / "docs", changed)
+    r, losses = pretrain("0.19.2", nproc, *HLA, *RESET, "--data-path", data,
+                         "--data-cache-path", str(tmp / name / "cache"), *argv,
+                         base=DATA_BASE, env_extra={"HLA_SP_TEST_LOGITS": str(out)})
+    ok(r, losses, f"0.19.2 {name}")
+    return [torch.load(out / f"rank{i}.pt") for i in range(nproc)]
+
+
+def _segments(tokens: Any) -> Any:
+    """[b, s] -> the index of each token's document in its row (a new one after an EOD)."""
+    import torch
+
+    after_eod = torch.zeros_like(tokens)
+    after_eod[:, 1:] = (tokens[:, :-1] == 256).long()
+    return after_eod.cumsum(1)
+
+
+@pytest.mark.timeout(900)
+def test_real_pretrain_reset_attention_mask_isolates_documents(tmp_path):
+    """``--reset-attention-mask --reset-position-ids`` with HLA, through Megatron's own
+    pretrain(): the first step's logits of every document that did not change are those of
+    the run where the documents before it hold other bytes (fp32 rounding at most: 2e-5 of
+    the largest logit); at CP = 2 (documents crossing the zigzag chunks) the same logits.
+    Before, HLA ignored the flag and such a document moved by about 0.5."""
+    import torch
+
+    a = _logits_run(tmp_path, "a", False, 1)[0]
+    b = _logits_run(tmp_path, "b", True, 1)[0]
+    assert torch.equal(a["position_ids"], b["position_ids"])
+    seg = _segments(a["tokens"])
+    assert torch.equal(a["position_ids"] == 0, torch.cat(
+        [torch.ones_like(seg[:, :1]), seg[:, 1:] != seg[:, :-1]], 1).bool())  # reset ids
+    changed = a["tokens"] != b["tokens"]
+    hit = torch.zeros_like(changed)  # the tokens of a document holding a changed byte
+    for row in range(seg.shape[0]):
+        for d in seg[row].unique():
+            at = seg[row] == d
+            hit[row, at] = changed[row, at].any()
+    # the probe: untouched tokens that come after a changed document in their row
+    probe = ~hit & (hit.long().cumsum(1) > 0)
+    assert probe.sum() > 10, (probe.sum(), a["tokens"])
+    scale = a["logits"].abs().max().item()
+    diff = (a["logits"] - b["logits"]).abs().amax(-1)
+    assert diff[~hit].max() <= 2e-5 * scale, diff[probe]
+    assert diff[hit].max() > 1e-2  # the changed documents did change
+    # CP = 2: rank r holds chunks r and 3 - r of 4; put them back in order
+    cp = _logits_run(tmp_path, "cp2", False, 2, *CP2)
+    n = a["tokens"].shape[1] // 4
+    whole = torch.empty_like(a["logits"])
+    for r, d in enumerate(cp):
+        for half, chunk in enumerate((r, 3 - r)):
+            whole[:, chunk * n:(chunk + 1) * n] = d["logits"][:, half * n:(half + 1) * n]
+    assert (whole - a["logits"]).abs().max() <= 2e-5 * scale
+
+
+@pytest.mark.timeout(600)
+def test_real_pretrain_padding_ids_take_no_probability(tmp_path):
+    """Megatron pads --vocab-size 100 to 128 (--make-vocab-size-divisible-by 128): the
+    entry point's model gives the 28 padding ids -inf logits, so Megatron's own loss is the
+    softmax over the real ids (before, they took probability and moved the loss)."""
+    import torch
+
+    out = tmp_path / "logits"
+    out.mkdir()
+    r, losses = pretrain("0.19.2", 1, *HLA, "--vocab-size", "100",
+                         "--make-vocab-size-divisible-by", "128",
+                         env_extra={"HLA_SP_TEST_LOGITS": str(out)})
+    ok(r, losses, "0.19.2 padded vocabulary")
+    logits = torch.load(out / "rank0.pt")["logits"]
+    assert logits.shape[-1] == 128
+    assert torch.isneginf(logits[..., 100:]).all()
+    assert torch.isfinite(logits[..., :100]).all()
