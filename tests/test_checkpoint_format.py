@@ -115,7 +115,8 @@ def test_first_format_still_loads_and_converts_on_the_next_save(
     assert torch.equal(fresh["model"][0].weight, old["model"][0].weight)
     _save(tmp_path / "new", 3, fresh)  # saved again: the current format
     names = sorted(p.name for p in Path(checkpoint.iter_dir(str(tmp_path / "new"), 3)).iterdir())
-    assert names == ["common.pt", "config.json", "model_optim", "rng_rank00000.pt"]
+    assert names == ["common.pt", "config.json", "manifest.json", "model_optim",
+                     "rng_rank00000.pt"]
 
 
 def test_first_format_at_another_tp_is_refused_saying_how_to_convert(
