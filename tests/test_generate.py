@@ -9,6 +9,7 @@ sampling, the checkpoint loading and the command's one-line errors.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -182,6 +183,14 @@ def test_main_errors_in_one_line(ckpt, tmp_path, capsys, case, match):
         else:
             saved["hidden_size"] = 48
         cfg_path.write_text(json.dumps(saved))
+        # a consistent checkpoint whose config does not fit its weights: record the
+        # edited file's digest, or the manifest check refuses it first
+        man_path = load / "iter_0000003" / "manifest.json"
+        man = json.loads(man_path.read_text())
+        raw = cfg_path.read_bytes()
+        man["files"]["config.json"] = {"size": len(raw),
+                                       "sha256": hashlib.sha256(raw).hexdigest()}
+        man_path.write_text(json.dumps(man))
     else:
         load = ckpt
         extra = (["--temperature", "-1"] if case == "temperature"
