@@ -250,9 +250,9 @@ def _nonneg_float(text: str) -> float:
     try:
         x = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a float >= 0, got {text!r}") from None
-    if not x >= 0:
-        raise argparse.ArgumentTypeError(f"expected a float >= 0, got {x}")
+        raise argparse.ArgumentTypeError(f"expected a finite float >= 0, got {text!r}") from None
+    if not (math.isfinite(x) and x >= 0):  # inf would reach the operator as a bare error
+        raise argparse.ArgumentTypeError(f"expected a finite float >= 0, got {x}")
     return x
 
 

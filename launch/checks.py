@@ -273,12 +273,30 @@ def _check_data(cfg: TrainConfig) -> None:
                 check_indexed_dataset(prefix)
             except DatasetError as e:
                 raise ConfigError(f"--data-path {prefix}: {e}") from None
+    if cfg.data == "text":
+        _check_samples(cfg)
     if cfg.data == "synthetic-recall":
         from hla_sp.launch.data import recall_layout_error
 
         msg = recall_layout_error(cfg.seq_length, cfg.context_parallel_size, cfg.recall_pairs)
         if msg:
             raise ConfigError(msg)
+
+
+def _check_samples(cfg: TrainConfig) -> None:
+    """The text data holds at least one sample of --seq-length in the training split,
+    and in the validation split when it is read (--eval-interval, --skip-train): the
+    sample sources the trainer builds, built here (opening an indexed dataset reads no
+    tokens), so that a small file fails before any process starts."""
+    from hla_sp.launch.data import DatasetError, build_samples
+
+    parts = ["train"] + (["valid"] if cfg.eval_interval or cfg.skip_train else [])
+    for part in parts:
+        try:
+            build_samples(cfg.data, cfg.data_path, cfg.seq_length, cfg.seed, cfg.recall_pairs,
+                          split_weights(cfg.split), part=part, vocab_size=cfg.vocab_size)
+        except DatasetError as e:
+            raise ConfigError(str(e)) from None
 
 
 def _check_intervals(cfg: TrainConfig) -> None:
@@ -342,6 +360,17 @@ def _model_shape(d: dict[str, Any]) -> dict[str, Any]:
     """The values of :data:`MODEL_FLAGS` and the HLA options of a config dict; the
     position table's size as it is built (it defaults to --seq-length)."""
     out = {k: d.get(k) for k in MODEL_FLAGS if k in d}
+    # a default recorded as None is the value it stands for: a run that spells the
+    # default out (--num-query-groups = heads, --ffn-hidden-size 4h, --vocab-size 257)
+    # builds the same model
+    if "num_query_groups" in out and out["num_query_groups"] is None:
+        out["num_query_groups"] = d.get("num_attention_heads")
+    if "ffn_hidden_size" in out and out["ffn_hidden_size"] is None and d.get("hidden_size"):
+        out["ffn_hidden_size"] = 4 * d["hidden_size"]
+    if "vocab_size" in out and out["vocab_size"] is None:
+        from hla_sp.launch.data import BYTE_VOCAB
+
+        out["vocab_size"] = BYTE_VOCAB
     if d.get("position_embedding_type") == "learned_absolute":
         out["max_position_embeddings"] = d.get("max_position_embeddings") or d.get("seq_length")
     for k, v in (d.get("hla") or {}).items():

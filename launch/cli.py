@@ -6,8 +6,11 @@
     hla-sp generate --load DIR --prompt TEXT [--max-new-tokens N --temperature T ...]
 
 ``train`` checks the trainer flags against the world it is about to start
-(nproc-per-node x nnodes), then replaces itself with torchrun running
-``-m hla_sp.launch.train``. Everything it does not know goes to the trainer.
+(nproc-per-node x nnodes), the data and the checkpoints in --save and --load (the
+preflight), says "nothing to do" for a finished run, then replaces itself with torchrun
+(:mod:`hla_sp.launch.torchrun`, which prints a worker's known error once, in one line)
+running ``-m hla_sp.launch.train``. Everything it does not know goes to the trainer.
+Tracebacks: ``--debug`` or ``HLA_SP_DEBUG=1``.
 ``generate`` samples from a checkpoint in this process (:mod:`hla_sp.launch.generate`).
 """
 
@@ -17,9 +20,14 @@ import argparse
 import os
 import shlex
 import sys
+import warnings
 
+from hla_sp.launch.checkpoint.layout import CheckpointError
+from hla_sp.launch.checkpoint.preflight_checks import nothing_to_do, preflight
 from hla_sp.launch.config import ConfigError, TrainConfig, build_parser, parse_args, validate
+from hla_sp.launch.data import DatasetError
 from hla_sp.launch.extras import require
+from hla_sp.launch.faults import DEBUG_ENV, debug
 from hla_sp.launch.local import MALLOC_MMAP_THRESHOLD
 
 
@@ -86,6 +94,10 @@ def _launcher_flags(ap: argparse.ArgumentParser | argparse._ArgumentGroup) -> No
     add("--max-restarts", type=int, default=0, help="torchrun worker-group restarts.")
     add("--standalone", action="store_true",
         help="Accepted for torchrun's sake: one node without --rdzv-endpoint is standalone.")
+    add("--debug", action="store_true",
+        help="Print tracebacks: an error of a known kind (a flag, a checkpoint, a data file) "
+             "is otherwise one line, printed once, and torchrun's failure summary is left "
+             "out (the same as HLA_SP_DEBUG=1).")
     add("--dry-run", action="store_true",
         help="Check the flags, print the parameter count, the memory per rank (from the "
              "memory model of docs/launch.md) and the model TFLOP per step, then the "
@@ -126,15 +138,28 @@ def _train(argv: list[str]) -> int:
     launch, rest = ap.parse_known_args(argv)
     if rest[:1] == ["--"]:
         rest = rest[1:]
+    if launch.debug:  # the workers inherit it (and torchrun's wrapper reads it)
+        os.environ[DEBUG_ENV] = "1"
+    # the data checks import megatron-core, which warns about apex/TE: expected on CPU
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     try:
         require("megatron", "hla-sp train")  # one line here, not a traceback per rank
         nnodes = _check_launch(launch)
-        cfg = parse_args(rest, prog="hla-sp train")
+        cfg = parse_args(rest, raise_errors=True, prog="hla-sp train")
         validate(cfg, launch.nproc_per_node * nnodes)
+        # the checkpoint checks here too, before torchrun starts: one line, not one per
+        # rank followed by torchrun's failure summary
+        preflight(cfg)
+        done = nothing_to_do(cfg, ["hla-sp", "train", *argv])
         cmd = torchrun_command(launch, rest)
-    except ConfigError as e:
+    except (ConfigError, CheckpointError, DatasetError) as e:
+        if debug():
+            raise
         print(f"hla-sp train: error: {e}", file=sys.stderr)
         return 2
+    if done is not None and not launch.dry_run:
+        print(done, flush=True)  # a finished run: start nothing
+        return 0
     if launch.dry_run:
         from hla_sp.launch.estimate import device_memory_bytes, summary
 
@@ -146,6 +171,8 @@ def _train(argv: list[str]) -> int:
     sys.stdout.flush()
     # see hla_sp.launch.local: keeps CPU memory from creeping up (the workers inherit it)
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", MALLOC_MMAP_THRESHOLD)
+    # torchrun sets 1 for its workers anyway when unset, with a four-line warning saying so
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     # the resume line after a signal quotes the user's own command
     from hla_sp.launch.signals import COMMAND_ENV
 

@@ -354,9 +354,11 @@ def build_parser(
         allow_abbrev=False,  # as Megatron's parser: no prefix surprises between flags
     )
     parser.add_argument(
-        "--config", metavar="TOML", default=None,
+        "--config", metavar="TOML", default=None, action="append",
         help="Read trainer flags from this TOML file (keys are the flag names, with - or _: "
-             "seq_length = 4096; tables only group them); flags on the command line win.",
+             "seq_length = 4096; tables only group them, so a key is given once). Several "
+             "--config files merge in order, the later winning; flags on the command line "
+             "win over all of them.",
     )
     docs = field_docs(TrainConfig)
     hints = typing.get_type_hints(TrainConfig)
@@ -383,9 +385,10 @@ def build_parser(
     return parser
 
 
-def _toml_flags(path: str, parser: argparse.ArgumentParser) -> list[str]:
-    """A TOML run file as command-line tokens (``seq_length = 4096`` -> ``--seq-length
-    4096``), each key checked against the parser; errors name the file and the key."""
+def _toml_values(path: str, parser: argparse.ArgumentParser) -> dict[str, tuple[str, Any]]:
+    """A TOML run file's values by flag destination: ``{dest: (key, value)}``, in file
+    order. Tables only group keys, so a key given twice (in two tables, or spelt with -
+    and _) is refused, naming both places; an unknown key names the nearest flag."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
@@ -397,12 +400,16 @@ def _toml_flags(path: str, parser: argparse.ArgumentParser) -> list[str]:
         raise ConfigError(f"--config {path}: cannot read it ({e.strerror or e})") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"--config {path}: not valid TOML ({e})") from None
-    items: list[tuple[str, Any]] = []
+    items: list[tuple[str, str, Any]] = []  # (where, key, value)
     for k, v in data.items():  # tables group keys; their keys are flags like the rest
-        items += list(v.items()) if isinstance(v, dict) else [(k, v)]
+        if isinstance(v, dict):
+            items += [(f"[{k}]", kk, vv) for kk, vv in v.items()]
+        else:
+            items.append(("the top level", k, v))
     flags = {a.dest: a for a in parser._actions if a.option_strings}
-    out: list[str] = []
-    for key, value in items:
+    out: dict[str, tuple[str, Any]] = {}
+    seen: dict[str, str] = {}
+    for where, key, value in items:
         dest = key.replace("-", "_")
         action = flags.get(dest)
         if action is None or dest in ("config", "help"):
@@ -410,6 +417,24 @@ def _toml_flags(path: str, parser: argparse.ArgumentParser) -> list[str]:
                                 [f for f in parser._option_string_actions if f != "--config"])
             hint = f"; did you mean {near.lstrip('-')}?" if near else ""
             raise ConfigError(f"--config {path}: unknown key {key!r}{hint}")
+        if dest in seen:
+            raise ConfigError(
+                f"--config {path}: {dest} is given twice, as {seen[dest]} and as {key!r} in "
+                f"{where}; expected each key once (tables only group keys), keep one")
+        seen[dest] = f"{key!r} in {where}"
+        out[dest] = (key, value)
+    return out
+
+
+def _toml_tokens(path: str, values: dict[str, tuple[str, Any]],
+                 parser: argparse.ArgumentParser) -> list[str]:
+    """TOML values as command-line tokens (``seq_length = 4096`` -> ``--seq-length=4096``).
+    A value is always a value: scalars go as ``--flag=VALUE``, and a list element that
+    reads as a flag is refused, so that no value can add a flag of its own."""
+    flags = {a.dest: a for a in parser._actions if a.option_strings}
+    out: list[str] = []
+    for dest, (key, value) in values.items():
+        action = flags[dest]
         flag = action.option_strings[0]
         if isinstance(value, bool):
             if isinstance(action, argparse._StoreTrueAction):
@@ -421,11 +446,19 @@ def _toml_flags(path: str, parser: argparse.ArgumentParser) -> list[str]:
                 raise ConfigError(f"--config {path}: {key} takes a value, got {value!r}")
             out.append(want)
         elif isinstance(value, list):
+            for v in value:
+                if isinstance(v, (list, dict, bool)):
+                    raise ConfigError(f"--config {path}: {key}: expected a list of plain "
+                                      f"values, got an element {v!r}")
+                if str(v).startswith("-") and not _is_number(str(v)):
+                    raise ConfigError(
+                        f"--config {path}: {key}: expected values, got {str(v)!r}, which reads "
+                        f"as a flag; give each flag as a key of its own")
             out += [flag, *map(str, value)]
         elif isinstance(value, dict):
             raise ConfigError(f"--config {path}: {key}: tables nest one level, got a table")
         else:
-            out += [flag, str(value)]
+            out.append(f"{flag}={value}")  # one token: the value cannot be read as a flag
     try:  # the values too, while the file can still be named
         parser.parse_args(out)
     except (ConfigError, SystemExit) as e:
@@ -433,17 +466,50 @@ def _toml_flags(path: str, parser: argparse.ArgumentParser) -> list[str]:
     return out
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _toml_flags(path: str, parser: argparse.ArgumentParser) -> list[str]:
+    """One TOML run file as command-line tokens, checked against the parser; errors name
+    the file and the key."""
+    return _toml_tokens(path, _toml_values(path, parser), parser)
+
+
 def expand_config(argv: list[str], prog: str = "hla_sp.launch.train") -> list[str]:
-    """``argv`` with ``--config FILE`` replaced by the file's flags, put first so that the
-    command line's own flags override them (argparse keeps the last value)."""
-    for i, a in enumerate(argv):
+    """``argv`` with every ``--config FILE`` replaced by the files' flags, put first so
+    that the command line's own flags override them (argparse keeps the last value).
+    Several files merge in the order given, a later file's value replacing an earlier
+    one's (a ``false`` included)."""
+    paths: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
         if a == "--config" or a.startswith("--config="):
             path = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
-            if not path:
+            if not path or (path.startswith("-") and "=" not in a):
                 raise ConfigError("--config: expected a TOML file, got nothing")
-            rest = argv[:i] + argv[i + (1 if "=" in a else 2):]
-            return [*_toml_flags(path, build_parser(prog, raise_errors=True)), *rest]
-    return argv
+            paths.append(path)
+            i += 1 if "=" in a else 2
+            continue
+        rest.append(a)
+        i += 1
+    if not paths:
+        return argv
+    parser = build_parser(prog, raise_errors=True)
+    merged: dict[str, tuple[str, Any]] = {}
+    for path in paths:
+        values = _toml_values(path, parser)
+        _toml_tokens(path, values, parser)  # each file's values checked under its own name
+        for dest, kv in values.items():
+            merged.pop(dest, None)  # the later file's value, in its place in the order
+            merged[dest] = kv
+    return [*_toml_tokens(" + ".join(paths), merged, parser), *rest]
 
 
 def parse_args(

@@ -247,8 +247,19 @@ def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float] | None
     """
     from megatron.core.datasets.utils import get_blend_from_list
 
+    if len(data_path) % 2 == 0:
+        # megatron-core reads an even list as weight-prefix pairs when every first of a
+        # pair is a number, as prefixes when none is; a mix fails its bare assert
+        firsts = data_path[::2]
+        numbers = [_is_number(w) for w in firsts]
+        if any(numbers) and not all(numbers):
+            bad = next(w for w, n in zip(firsts, numbers, strict=True) if not n)
+            raise DatasetError(
+                f"--data-path {' '.join(data_path)}: expected a number before each prefix "
+                f"(as 0.5 A 0.5 B) or prefixes alone (A B), got {bad!r} where a weight goes")
     blend = get_blend_from_list(list(data_path))
-    assert blend is not None
+    if blend is None:
+        raise DatasetError(f"--data-path: expected prefixes, got {data_path!r}")
     prefixes, weights = blend
     if weights is None:
         return prefixes, None
@@ -258,6 +269,14 @@ def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float] | None
             f"prefix (as 0.5 A 0.5 B), got {weights}")
     total = float(sum(weights))
     return prefixes, [w / total for w in weights]
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 class IndexedTokens:
@@ -373,17 +392,21 @@ class TextSamples:
     ):
         self.stream, self.seq_length, self.seed = stream, seq_length, seed
         total = (len(stream) - 1) // seq_length
+        infos = getattr(stream, "infos", None)
+        what = (f"--data-path {' '.join(i.prefix for i in infos)}" if infos
+                else "the built-in text")
         if total < 1:
-            raise ValueError(
-                f"the data has {len(stream)} tokens, fewer than one sample of --seq-length "
-                f"{seq_length} + 1; use more data or a shorter --seq-length"
+            raise DatasetError(
+                f"{what}: expected at least one sample of --seq-length {seq_length} + 1 "
+                f"tokens, got {len(stream)} tokens; use more data or a shorter --seq-length"
             )
         train, valid = split_windows(total, split)
         windows = train if part == "train" else valid
         if len(windows) < 1:
-            raise ValueError(
-                f"--split {split}: the {part} split of {total} samples of --seq-length "
-                f"{seq_length} is empty; give it a larger weight, or use more data"
+            raise DatasetError(
+                f"--split: the {part} split of {what} ({total} samples of --seq-length "
+                f"{seq_length}) is empty with the fractions {tuple(round(x, 4) for x in split)};"
+                f" give it a larger weight, or use more data"
             )
         self.first, self.num_windows = windows.start, len(windows)
         self._perm_epoch = -1
@@ -528,10 +551,16 @@ def build_samples(
         vocab = vocab_size or BYTE_VOCAB
         if weights is None:
             return TextSamples(IndexedTokens(prefixes, vocab), seq_length, seed, split, part)
-        # each source its own seed stream, so that two equal prefixes do not move in step
+        # each source its own seed stream, so that two equal prefixes do not move in step;
+        # a source of weight 0 supplies nothing (megatron-core's blending index would
+        # still give it a sample early on), and keeps its seed out of the others' way
+        kept = [(i, p, w) for i, (p, w) in enumerate(zip(prefixes, weights, strict=True))
+                if w > 0]
         sources = [TextSamples(IndexedTokens([p], vocab), seq_length, seed + i, split, part)
-                   for i, p in enumerate(prefixes)]
-        return BlendedSamples(sources, weights)
+                   for i, p, _ in kept]
+        if len(sources) == 1:
+            return sources[0]
+        return BlendedSamples(sources, [w for _, _, w in kept])
     # enough for 8 samples even at million-token lengths
     tokens = builtin_text_tokens(8 * (seq_length + 1))
     return TextSamples(ArrayTokens(tokens), seq_length, seed, split, part)

@@ -195,11 +195,14 @@ def diagnose(rank: int, world_size: int, self_in_collective: bool = True) -> str
     if all(v is None for v in second.values()):
         return "the rendezvous store is unreachable (its host may have died); check every rank"
     peers = [r for r in range(world_size) if r != rank]
-    failed = {r: v for r, v in _read(store, world_size, _FAILED).items() if v and r != rank}
+    reported = {r: v for r, v in _read(store, world_size, _FAILED).items() if v and r != rank}
+    # a peer that saw a broken collective too is a fellow survivor, not the cause; one
+    # that stopped on its own error is the cause; neither died
+    failed = {r: v for r, v in reported.items() if not v.get("coll")}
     dead = [
         r
         for r in peers
-        if r not in failed
+        if r not in reported
         and (second[r] is None or first[r] is None or second[r]["beat"] == first[r]["beat"])
     ]
     alive = {r: second[r] for r in peers if r not in dead and r not in failed and second[r]}
@@ -268,6 +271,107 @@ def _is_collective_error(chain: list[BaseException]) -> bool:
     return False
 
 
+# --- errors of a known kind: one line, once -------------------------------------------
+
+# ``HLA_SP_DEBUG=1`` (``hla-sp train --debug``): tracebacks for every error, and
+# torchrun's own failure summary, as without hla-sp's one-line reports.
+DEBUG_ENV = "HLA_SP_DEBUG"
+# set by ``hla_sp.launch.torchrun`` for its workers: where a worker that stops on an
+# error of a known kind writes it (rank<N>.json), so that the launcher prints it once
+REPORT_ENV = "HLA_SP_REPORT_DIR"
+# a known error's exit status (argparse's, and the launcher's for a bad flag)
+KNOWN_EXIT = 2
+
+
+def debug() -> bool:
+    """Whether tracebacks were asked for (``HLA_SP_DEBUG`` set to anything but 0/empty)."""
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def known_kinds() -> tuple[type[BaseException], ...]:
+    """The errors whose message says everything (a flag, a checkpoint, a data file):
+    reported in one line, without a traceback or a diagnosis of the peers."""
+    from hla_sp.launch.checkpoint.layout import CheckpointError
+    from hla_sp.launch.checks import ConfigError
+    from hla_sp.launch.data import DatasetError
+
+    return (ConfigError, CheckpointError, DatasetError)
+
+
+def known_error(err: BaseException) -> BaseException | None:
+    """The outermost exception of a known kind in ``err``'s chain, or None: a checkpoint
+    read that fails inside DCP's collective is reported as the CheckpointError it was
+    raised as, not as the collective's exception."""
+    kinds = known_kinds()
+    return next((e for e in _chain(err) if isinstance(e, kinds)), None)
+
+
+def global_rank() -> int:
+    """This process's global rank (torchrun's RANK; 0 outside torchrun)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def report_known(err: BaseException, prefix: str = "hla-sp train") -> None:
+    """Report an error of a known kind in one line, once for the run.
+
+    Under ``hla-sp train`` the line goes to the launcher's report directory and the
+    launcher prints it (once however many ranks raised it, without torchrun's summary);
+    under a plain torchrun global rank 0 prints it. With a process group, the error is
+    also published for the peers, whose failure report then names it. Every rank prints
+    its traceback under ``HLA_SP_DEBUG``.
+    """
+    rank = global_rank()
+    line = _first_line(err) or type(err).__name__
+    store = _store()
+    if store is not None:  # the peers name it instead of calling this rank dead
+        with contextlib.suppress(Exception):
+            store.set_timeout(timedelta(seconds=5))
+            store.set(f"{_FAILED}{rank}",
+                      json.dumps({"it": _progress[0], "error": f"{type(err).__name__}: {line}"}))
+    if debug():
+        traceback.print_exception(err, file=sys.stderr)
+    where = os.environ.get(REPORT_ENV)
+    if where and os.path.isdir(where):
+        tmp = os.path.join(where, f".rank{rank}.json.tmp")
+        with contextlib.suppress(OSError):
+            with open(tmp, "w") as f:
+                json.dump({"rank": rank, "kind": type(err).__name__, "message": line}, f)
+            os.replace(tmp, os.path.join(where, f"rank{rank}.json"))  # whole or absent
+            return
+    if rank == 0 or debug():
+        print(f"{prefix}: error: {line}", file=sys.stderr, flush=True)
+
+
+def read_reports(where: str) -> list[dict[str, Any]]:
+    """The known errors the workers wrote to ``where`` (:data:`REPORT_ENV`), by rank."""
+    out = []
+    try:
+        names = sorted(os.listdir(where))
+    except OSError:
+        return []
+    for name in names:
+        if name.startswith("rank") and name.endswith(".json"):
+            with contextlib.suppress(OSError, ValueError):
+                with open(os.path.join(where, name)) as f:
+                    rep = json.load(f)
+                if isinstance(rep, dict) and isinstance(rep.get("message"), str):
+                    out.append(rep)
+    return sorted(out, key=lambda r: int(r.get("rank", 0)))
+
+
+def summarize_reports(reports: list[dict[str, Any]]) -> list[str]:
+    """One line per distinct message: a failure every rank raised is said once."""
+    by_msg: dict[str, list[int]] = {}
+    for rep in reports:
+        by_msg.setdefault(rep["message"], []).append(int(rep.get("rank", 0)))
+    if len(by_msg) == 1:
+        return list(by_msg)
+    return [f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {m}"
+            for m, r in by_msg.items()]
+
+
 def report_failure(
     rank: int, world_size: int, err: BaseException, with_traceback: bool = False
 ) -> str:
@@ -306,14 +410,18 @@ def report_failure(
             file=sys.stderr,
             flush=True,
         )
-    if _is_collective_error(chain):
+    collective = _is_collective_error(chain)
+    store = _store()
+    if store is not None:
+        # said before the diagnosis: a peer diagnosing at the same moment then sees this
+        # rank as failed (or as waiting on a collective), not as dead
+        with contextlib.suppress(Exception):
+            store.set_timeout(timedelta(seconds=5))
+            store.set(f"{_FAILED}{rank}", json.dumps(
+                {"it": it, "error": _describe(root), "coll": collective}))
+    if collective:
         msg = f"[hla-sp] rank {rank}: diagnosis: {diagnose(rank, world_size, True)}"
     else:
-        store = _store()
-        if store is not None:
-            with contextlib.suppress(Exception):
-                store.set_timeout(timedelta(seconds=5))
-                store.set(f"{_FAILED}{rank}", json.dumps({"it": it, "error": _describe(root)}))
         msg = (
             f"[hla-sp] rank {rank}: this rank's own error (not a peer's, not the network); "
             f"the other ranks stop when they next wait for it"

@@ -34,6 +34,11 @@ from hla_sp.launch.config import TrainConfig
 
 BYTE_VOCAB = 257  # ids 0..255 are bytes, EOD ends a document (hla_sp.launch.data)
 EOD = 256
+# the smallest non-zero --temperature. Logits divided by a temperature near float64's
+# smallest (1e-310) overflow to inf, and the softmax of inf - inf is nan; long before
+# that, at 1e-6, the gap between the two likeliest tokens is 1e6 times wider than any
+# softmax resolves, so sampling is the argmax already (0 asks for that by name)
+MIN_TEMPERATURE = 1e-6
 
 
 class GenerateError(RuntimeError):
@@ -41,7 +46,9 @@ class GenerateError(RuntimeError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    from hla_sp.launch.config import _OneLineParser  # a bad flag in one line, no usage
+
+    p = _OneLineParser(
         prog="hla-sp generate", allow_abbrev=False,
         description="Sample from a checkpoint of hla-sp train: prefill the prompt, then "
                     "decode one token at a time with each HLA layer's recurrent state.")
@@ -64,10 +71,39 @@ def check_request(args: argparse.Namespace) -> None:
     """The sampling flags, named in the error."""
     if args.max_new_tokens < 0:
         raise GenerateError(f"--max-new-tokens: expected >= 0, got {args.max_new_tokens}")
-    if not args.temperature >= 0:  # also refuses nan
-        raise GenerateError(f"--temperature: expected >= 0 (0: greedy), got {args.temperature}")
+    t = args.temperature
+    if not (t == 0 or MIN_TEMPERATURE <= t < float("inf")):  # also refuses nan
+        raise GenerateError(f"--temperature: expected >= 0 (0: greedy; otherwise finite and "
+                            f"at least {MIN_TEMPERATURE:g}), got {t!r}")
     if args.top_k < 0:
         raise GenerateError(f"--top-k: expected >= 0 (0: no cut), got {args.top_k}")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as e:  # bytes the shell passed that are not UTF-8
+        raise GenerateError(
+            f"--prompt: expected UTF-8 text, got bytes that are not UTF-8 at character "
+            f"{e.start} ({args.prompt[e.start:e.end].encode('utf-8', 'surrogateescape')!r})"
+        ) from None
+    check_device(args.device)
+
+
+def check_device(device: str) -> None:
+    """``--device`` names a device this machine has: cpu, cuda or cuda:N."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise GenerateError(f"--device: expected cpu, cuda or cuda:N, got {device!r}") from None
+    if dev.type == "cpu":
+        return
+    if dev.type != "cuda":
+        raise GenerateError(f"--device: expected cpu, cuda or cuda:N, got {device!r}")
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 0:
+        raise GenerateError(f"--device {device}: expected a CUDA device, but this machine has "
+                            f"none (torch.cuda.is_available() is False); use --device cpu")
+    if dev.index is not None and dev.index >= n:
+        raise GenerateError(f"--device {device}: expected cuda:0 .. cuda:{n - 1} (this machine "
+                            f"has {n} CUDA device{'s' if n > 1 else ''}), got index {dev.index}")
 
 
 def load_config(load: str, step: int | None = None) -> tuple[TrainConfig, int]:
@@ -181,6 +217,12 @@ def check_positions(model: torch.nn.Module, prompt_tokens: int, max_new_tokens: 
     limit = max_positions(model)
     # the last sampled token is never fed back, so it needs no position
     need = prompt_tokens + max(max_new_tokens - 1, 0)
+    if limit is not None and prompt_tokens > limit:
+        # the prompt alone does not fit: no number of new tokens helps
+        raise GenerateError(
+            f"--prompt: expected at most {limit} tokens (bytes; the model's learned "
+            f"positions, its --seq-length), got {prompt_tokens}; shorten it by "
+            f"{prompt_tokens - limit}")
     if limit is not None and need > limit:
         raise GenerateError(
             f"--max-new-tokens: the prompt ({prompt_tokens} tokens) and {max_new_tokens} "

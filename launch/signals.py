@@ -80,14 +80,53 @@ def name(signum: int) -> str:
         return f"signal {signum}"
 
 
-def resume_command(save: str | None, load: str | None) -> str:
-    """The command that continues this run from ``save``: the user's own command line
-    (``hla-sp train`` passes it on), with ``--load SAVE`` added unless it is there."""
+def own_command() -> list[str]:
+    """This run's command line as the user typed it: ``hla-sp train`` passes it on in
+    :data:`COMMAND_ENV`; under a plain torchrun it is rebuilt from the trainer's argv."""
     cmd = os.environ.get(COMMAND_ENV)
-    if not cmd:
-        nproc = os.environ.get("LOCAL_WORLD_SIZE", "1")
-        cmd = shlex.join(["torchrun", "--nproc-per-node", nproc, "-m", "hla_sp.launch.train",
-                          *sys.argv[1:]])
+    if cmd:
+        return shlex.split(cmd)
+    nproc = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    return ["torchrun", "--nproc-per-node", nproc, "-m", "hla_sp.launch.train", *sys.argv[1:]]
+
+
+def edit_command(argv: list[str], drop: tuple[str, ...] = (),
+                 set_values: dict[str, list[str]] | None = None) -> list[str]:
+    """``argv`` without the flags in ``drop`` and their values (``--flag V`` or
+    ``--flag=V``), then with each flag of ``set_values`` given those values (in place of
+    any earlier ones), so that the printed command does exactly what it says."""
+    set_values = set_values or {}
+    gone = set(drop) | set(set_values)
+    out: list[str] = []
+    skipping = False
+    for tok in argv:
+        name = tok.split("=", 1)[0]
+        if tok.startswith("--") and name in gone:
+            skipping = "=" not in tok  # the values follow, up to the next flag
+            continue
+        if skipping and not (tok.startswith("-") and len(tok) > 1 and not _is_number(tok)):
+            continue
+        skipping = False
+        out.append(tok)
+    for flag, values in set_values.items():
+        out += [flag, *values]
+    return out
+
+
+def _is_number(tok: str) -> bool:
+    try:
+        float(tok)
+    except ValueError:
+        return False
+    return True
+
+
+def resume_command(save: str | None, load: str | None) -> str:
+    """The command that continues this run from ``save``: the user's own command line,
+    with ``--load SAVE`` (unless it loads from there already) and without ``--ckpt-step``,
+    which would restart from that older checkpoint instead of the newest."""
+    argv = own_command()
+    changes = {}
     if save and os.path.abspath(load or "") != os.path.abspath(save):
-        cmd += " " + shlex.join(["--load", save])
-    return cmd
+        changes["--load"] = [save]
+    return shlex.join(edit_command(argv, drop=("--ckpt-step",), set_values=changes))

@@ -2,16 +2,26 @@
 
     python -m hla_sp.launch.torchrun <torchrun arguments> -m hla_sp.launch.train <flags>
 
-The same arguments and behaviour as ``torchrun``, except on SIGINT/SIGTERM: torchrun's
-agent passes the signal to the workers (rank 0 says, in one line, how the run stopped)
-and then dies with a traceback of its own ``SignalException``. Here it leaves with
-status 128 + the signal instead, and without the agent's "death signal" log lines.
+The same arguments and behaviour as ``torchrun``, except:
+
+* on SIGINT/SIGTERM: torchrun's agent passes the signal to the workers (rank 0 says, in
+  one line, how the run stopped) and then dies with a traceback of its own
+  ``SignalException``. Here it leaves with status 128 + the signal instead, and without
+  the agent's "death signal" log lines.
+* on an error of a known kind in the workers (a flag, a checkpoint, a data file): the
+  workers write it to a report directory instead of printing it, and this process
+  prints it once, in one line (however many ranks raised it), and leaves with the
+  workers' status, without torchrun's ``ChildFailedError`` summary. Any other failure
+  keeps torchrun's summary. ``HLA_SP_DEBUG=1`` keeps everything as torchrun has it, the
+  workers' tracebacks included.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import tempfile
 
 # what the agent logs on a signal; the workers' own line says it better
 _QUIET = ("death signal", "Closing process", "Sending process", "Got termination signal")
@@ -23,8 +33,34 @@ class _DropSignalChatter(logging.Filter):
         return not any(q in msg for q in _QUIET)
 
 
-def main(argv: list[str] | None = None) -> int:
+class _DropFailedLine(logging.Filter):
+    """The agent's "failed (exitcode ...)" line, dropped once a worker has reported a
+    known error (the launcher prints that error instead)."""
+
+    def __init__(self, reports: str):
+        super().__init__()
+        self.reports = reports
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from hla_sp.launch.faults import read_reports
+
+        return not ("failed (exitcode" in record.getMessage() and read_reports(self.reports))
+
+
+def known_failure(failures: dict[int, object], reports: list[dict]) -> int:
+    """The exit status for a run that stopped on the reported errors: a reporting
+    worker's own status (the first failure's rank first), else the known errors' one."""
+    from hla_sp.launch.faults import KNOWN_EXIT
+
+    ranks = {int(r.get("rank", -1)) for r in reports}
+    codes = [getattr(f, "exitcode", 0) for r, f in sorted(failures.items()) if r in ranks]
+    return next((c for c in codes if isinstance(c, int) and c > 0), KNOWN_EXIT)
+
+
+def main(argv: list[str] | None = None, prog: str = "hla-sp train") -> int:
+    from hla_sp.launch import faults
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
     quiet = _DropSignalChatter()
@@ -33,10 +69,22 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("torch.distributed.elastic.agent.server.api",
                  "torch.distributed.elastic.multiprocessing.api"):
         logging.getLogger(name).addFilter(quiet)
-    try:
-        torchrun_main(sys.argv[1:] if argv is None else argv)
-    except SignalException as e:
-        return 128 + int(e.sigval)
+    with tempfile.TemporaryDirectory(prefix="hla-sp-errors-") as reports:
+        if not faults.debug():  # under HLA_SP_DEBUG the workers print for themselves
+            os.environ[faults.REPORT_ENV] = reports  # the workers inherit it
+            logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
+                _DropFailedLine(reports))
+        try:
+            torchrun_main(sys.argv[1:] if argv is None else argv)
+        except SignalException as e:
+            return 128 + int(e.sigval)
+        except ChildFailedError as e:
+            found = faults.read_reports(reports)
+            if not found or faults.debug():
+                raise
+            for line in faults.summarize_reports(found):
+                print(f"{prog}: error: {line}", file=sys.stderr, flush=True)
+            return known_failure(e.failures, found)
     return 0
 
 

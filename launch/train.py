@@ -35,8 +35,8 @@ warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
 
 import torch.distributed as dist  # noqa: E402
 from hla_sp.launch import checkpoint, faults, metrics, signals  # noqa: E402
+from hla_sp.launch.checkpoint.preflight_checks import nothing_to_do  # noqa: E402
 from hla_sp.launch.config import (  # noqa: E402
-    ConfigError,
     TrainConfig,
     parse_args,
     validate,
@@ -74,11 +74,8 @@ def _announce_start(cfg: TrainConfig) -> bool:
         if first:
             metrics.say(f"--load {cfg.load}: no checkpoint there, starting from iteration 0")
     elif resume is not None and resume >= cfg.train_iters and not cfg.skip_train:
-        if first:
-            metrics.say(
-                f"nothing to do: the checkpoint in {cfg.load} is at iteration {resume}, and "
-                f"--train-iters is {cfg.train_iters}; raise --train-iters to train further"
-            )
+        if first:  # (hla-sp train says this itself, before starting torchrun)
+            metrics.say(nothing_to_do(cfg) or "nothing to do")
         return False
     if cfg.save is not None and resume is None and os.path.isdir(cfg.save):
         try:
@@ -141,6 +138,17 @@ def run(
         sys.stdout.flush()
         os._exit(128 + stop.signum)
     except Exception as err:
+        known = faults.known_error(err)
+        if known is not None:
+            # a checkpoint, data or flag error says it all: one line for the run (every
+            # rank may raise it), no traceback, no guess about the peers
+            faults.report_known(known)
+            heartbeat.stop()
+            if not exit_on_error:
+                raise
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(faults.KNOWN_EXIT)
         heartbeat.stop()
         oom = _is_oom(err)
         # a stop from outside or an OOM needs no traceback
@@ -216,9 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     try:
         run(cfg)
-    except ConfigError as e:
-        print(f"hla_sp.launch.train: error: {e}", file=sys.stderr)
-        return 2
+    except faults.known_kinds() as e:  # before the process group: the checks, the preflight
+        faults.report_known(e, "hla_sp.launch.train")
+        return faults.KNOWN_EXIT
     return 0
 
 

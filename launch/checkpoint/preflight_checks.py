@@ -132,7 +132,24 @@ def check_save_dir(cfg: Any) -> None:
     if free < need:
         raise ConfigError(
             f"--save {save}: {_gib(free)} free on its filesystem, one checkpoint needs about "
-            f"{_gib(need)} ({need:,} bytes, {what}); free space, or --save elsewhere")
+            f"{_gib(need)} ({need:,} bytes, {what}){_leftovers(save)}; free space, or --save "
+            f"elsewhere")
+
+
+def _leftovers(save: str) -> str:
+    """What an interrupted save (a full disk, a kill) left in ``save`` and what it holds,
+    as a clause of the space error: the next save would remove it, but only after this
+    check, so the user is told to (it is not removed here: another run may be writing)."""
+    import glob
+
+    found = sorted(glob.glob(os.path.join(glob.escape(save), "iter_*.tmp")))
+    found = [d for d in found if os.path.isdir(d) and not os.path.islink(d)]
+    if not found:
+        return ""
+    size = sum(dir_bytes(d) for d in found)
+    names = ", ".join(os.path.basename(d) for d in found)
+    return (f"; {names} in it ({_gib(size)}) is left over from an interrupted save: delete "
+            f"it if no other run is saving there (rm -r {' '.join(found)})")
 
 
 # the schedule flags Megatron's OptimizerParamScheduler checks on load, as trainer flags
@@ -184,6 +201,44 @@ def check_resume_schedule(cfg: Any) -> None:
             f"schedule: " + "; ".join(diff) + ". Pass --use-checkpoint-opt_param-scheduler to "
             "keep the checkpoint's, or --override-opt_param-scheduler to apply this run's "
             "(Megatron's flags)")
+
+
+def nothing_to_do(cfg: Any, argv: list[str] | None = None) -> str | None:
+    """The line for a resume that has nothing left to train (the checkpoint in --load is
+    at or past --train-iters), with a command that trains further as printed; None when
+    there is training to do. ``argv``: the user's command (default: this run's).
+
+    Raising --train-iters alone lengthens the decay when it defaults to --train-iters,
+    which :func:`check_resume_schedule` refuses; then the command also keeps the
+    checkpoint's schedule (--use-checkpoint-opt_param-scheduler), so that the new
+    iterations continue at --min-lr instead of jumping back up a longer decay.
+    """
+    import dataclasses
+    import shlex
+
+    from hla_sp.launch import signals
+
+    if getattr(cfg, "skip_train", False) or cfg.load is None:
+        return None
+    resume = resume_iteration(cfg.load, cfg.ckpt_step)
+    if resume is None or resume < cfg.train_iters:
+        return None
+    more = resume + cfg.train_iters
+    changes: dict[str, list[str]] = {"--train-iters": [str(more)]}
+    saved = saved_config(cfg.load, resume)
+    now = dataclasses.replace(cfg, train_iters=more).to_dict()
+    if (saved is not None and schedule_diff(saved, now)
+            and not cfg.override_opt_param_scheduler
+            and not cfg.use_checkpoint_opt_param_scheduler):
+        changes["--use-checkpoint-opt_param-scheduler"] = []
+    cmd = shlex.join(signals.edit_command(argv if argv is not None else signals.own_command(),
+                                          set_values=changes))
+    keep = ("; --use-checkpoint-opt_param-scheduler keeps the checkpoint's learning-rate "
+            "schedule, so the new iterations run at --min-lr (--override-opt_param-scheduler "
+            "instead decays over the new --train-iters)"
+            if "--use-checkpoint-opt_param-scheduler" in changes else "")
+    return (f"nothing to do: the checkpoint in {cfg.load} is at iteration {resume}, and "
+            f"--train-iters is {cfg.train_iters}; to train further: {cmd}{keep}")
 
 
 def check_resume_layout(cfg: Any) -> None:

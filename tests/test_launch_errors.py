@@ -1,0 +1,276 @@
+"""Errors reach the user in one line, once (issue 42, item 5): the checkpoint, data and
+flag checks run in ``hla-sp train`` before torchrun starts; an error of a known kind in
+the workers is printed once by the launcher, without torchrun's failure summary; the
+"nothing to do" hint is a command that runs as printed; tracebacks only under --debug.
+
+The in-process tests replace ``os.execv`` so that torchrun is never started; three
+tests run real two-rank jobs of a tiny model (a few seconds each)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import threading
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from hla_sp.launch import faults, torchrun
+from hla_sp.launch.cli import main as cli_main
+from hla_sp.launch.local import _env
+
+HLA_SP = os.path.join(os.path.dirname(sys.executable), "hla-sp")
+TINY = ["--nproc-per-node", "2", "--context-parallel-size", "2", "--seq-length", "64",
+        "--num-layers", "1", "--hidden-size", "32"]
+
+
+def _hla_sp(argv: list[str], cwd: Path, env: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([HLA_SP, *argv], cwd=cwd, capture_output=True, text=True,
+                          env=_env(env), timeout=300)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished two-rank run of 2 iterations: ck/iter_0000002 (the schedule's decay
+    length is --train-iters, 2)."""
+    d = tmp_path_factory.mktemp("run")
+    p = _hla_sp(["train", *TINY, "--train-iters", "2", "--save", "ck", "--load", "ck"], d)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert (d / "ck" / "iter_0000002").is_dir()
+    return d
+
+
+@pytest.fixture
+def run_dir(trained: Path, tmp_path: Path) -> Path:
+    """A private copy of the finished run."""
+    shutil.copytree(trained / "ck", tmp_path / "ck")
+    return tmp_path
+
+
+@pytest.fixture
+def no_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "execv", lambda *a: pytest.fail("torchrun was started"))
+
+
+@pytest.fixture(scope="module")
+def small_dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """An indexed dataset of 51 tokens (made by the project's tool): one sample of 32."""
+    from hla_sp.launch.make_dataset import main as make_main
+
+    d = tmp_path_factory.mktemp("small")
+    (d / "in").mkdir()
+    (d / "in" / "a.txt").write_text("tiny " * 10)
+    assert make_main(["--input", str(d / "in"), "--output-prefix", str(d / "ds")]) == 0
+    return str(d / "ds")
+
+
+def _one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+# --- the launcher's preflight: refused before torchrun starts ----------------------------
+
+
+@pytest.mark.parametrize(("case", "needle"), [
+    ("schedule", "has another learning-rate schedule: --train-iters 2 (checkpoint) != 4"),
+    ("foreign-save", "holds another run's checkpoints (iteration 2)"),
+    ("ridge-inf", "--hla-ridge: expected a finite float >= 0, got inf"),
+])
+def test_checkpoint_and_option_checks_run_in_the_launcher(
+    run_dir: Path, case: str, needle: str, no_torchrun: None,
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.chdir(run_dir)
+    argv = {
+        "schedule": ["--train-iters", "4", "--save", "ck", "--load", "ck"],
+        "foreign-save": ["--train-iters", "4", "--save", "ck"],
+        "ridge-inf": ["--hla-ridge", "inf"],
+    }[case]
+    assert cli_main(["train", *TINY, *argv]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("hla-sp train: error: ") and needle in line, line
+
+
+def test_lack_of_space_is_refused_in_the_launcher(
+    tmp_path: Path, no_torchrun: None, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from hla_sp.launch.checkpoint import preflight_checks
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(preflight_checks.shutil, "disk_usage", lambda p: usage(1, 1, 1000))
+    assert cli_main(["train", *TINY, "--save", str(tmp_path / "ck")]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "free on its filesystem, one checkpoint needs about" in line, line
+
+
+@pytest.mark.parametrize(("case", "needle"), [
+    ("blend-weight", "expected a number before each prefix (as 0.5 A 0.5 B) or prefixes "
+                     "alone (A B), got 'x' where a weight goes"),
+    ("smaller-than-a-sample", "expected at least one sample of --seq-length 64 + 1 tokens, got"),
+    ("empty-validation", "--split: the valid split of --data-path"),
+])
+def test_data_checks_run_in_the_launcher(
+    small_dataset: str, case: str, needle: str, no_torchrun: None,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = {
+        "blend-weight": ["--data-path", "x", small_dataset, "0.5", small_dataset],
+        "smaller-than-a-sample": ["--data-path", small_dataset, "--seq-length", "64"],
+        # one sample of 32 tokens, which the training split takes
+        "empty-validation": ["--data-path", small_dataset, "--seq-length", "32",
+                             "--split", "999,1,0", "--eval-interval", "1"],
+    }[case]
+    flags = [*TINY[:4], "--num-layers", "1", "--hidden-size", "32"]
+    assert cli_main(["train", *flags, *argv]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("hla-sp train: error: ") and needle in line, line
+
+
+# --- the "nothing to do" hint --------------------------------------------------------------
+
+
+def test_nothing_to_do_gives_a_command_that_runs_as_printed(run_dir: Path) -> None:
+    p = _hla_sp(["train", *TINY, "--train-iters", "2", "--save", "ck", "--load", "ck"],
+                run_dir)
+    assert p.returncode == 0, p.stderr
+    assert "torch.distributed" not in p.stderr  # said before torchrun starts
+    line = _one_line(p.stdout)
+    m = re.search(r"to train further: (hla-sp train .*?)(; |$)", line)
+    assert line.startswith("nothing to do: the checkpoint in ck is at iteration 2") and m, line
+    argv = shlex.split(m.group(1))
+    assert "--train-iters" in argv and argv[argv.index("--train-iters") + 1] == "4"
+    q = _hla_sp(argv[1:], run_dir)  # exactly as printed
+    assert q.returncode == 0, q.stdout[-2000:] + q.stderr[-2000:]
+    assert "iter     4/4" in q.stdout, q.stdout
+    assert (run_dir / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+
+
+# --- an error in the workers: once, one line, no torchrun summary --------------------------
+
+
+def _corrupt_model_state(ck: Path) -> None:
+    """Truncate every rank's model state; without the file digests (a checkpoint of an
+    older version), so that the read itself fails in the workers, on every rank."""
+    (ck / "iter_0000002" / "manifest.json").unlink(missing_ok=True)
+    for f in (ck / "iter_0000002" / "model_optim").glob("*.distcp"):
+        with open(f, "r+b") as fh:
+            fh.truncate(f.stat().st_size // 2)
+
+
+def test_checkpoint_read_failing_on_every_rank_is_said_once(run_dir: Path) -> None:
+    _corrupt_model_state(run_dir / "ck")
+    argv = ["train", *TINY, "--train-iters", "4", "--save", "ck", "--load", "ck",
+            "--override-opt_param-scheduler"]
+    p = _hla_sp(argv, run_dir)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2, out
+    errors = [x for x in out.splitlines() if "error" in x.lower()]
+    assert len(errors) == 1, out
+    assert errors[0].startswith("hla-sp train: error: ") and "cannot read the model" in errors[0]
+    for noise in ("Traceback", "ChildFailedError", "stopped responding", "[hla-sp] rank"):
+        assert noise not in out, out
+
+
+def test_debug_switch_shows_tracebacks(run_dir: Path) -> None:
+    _corrupt_model_state(run_dir / "ck")
+    argv = ["train", *TINY, "--train-iters", "4", "--save", "ck", "--load", "ck",
+            "--override-opt_param-scheduler"]
+    p = _hla_sp(argv, run_dir, {faults.DEBUG_ENV: "1"})
+    assert p.returncode != 0
+    assert "Traceback" in p.stderr and "cannot read the model" in p.stderr
+
+
+# --- the pieces, in-process -----------------------------------------------------------------
+
+
+def test_reports_of_every_rank_are_said_once(tmp_path: Path) -> None:
+    for rank in (0, 1, 2):
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(
+            {"rank": rank, "kind": "CheckpointError", "message": "ck: corrupt"}))
+    reports = faults.read_reports(str(tmp_path))
+    assert faults.summarize_reports(reports) == ["ck: corrupt"]
+    (tmp_path / "rank3.json").write_text(json.dumps(
+        {"rank": 3, "kind": "DatasetError", "message": "ds.bin: truncated"}))
+    lines = faults.summarize_reports(faults.read_reports(str(tmp_path)))
+    assert lines == ["ranks 0, 1, 2: ck: corrupt", "rank 3: ds.bin: truncated"]
+    Failure = namedtuple("Failure", "exitcode")
+    assert torchrun.known_failure({0: Failure(2), 1: Failure(-15)}, reports) == 2
+
+
+def test_a_worker_prints_a_known_error_once_from_rank_0(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    from hla_sp.launch.checkpoint.layout import CheckpointError
+
+    monkeypatch.delenv(faults.REPORT_ENV, raising=False)
+    monkeypatch.delenv(faults.DEBUG_ENV, raising=False)
+    try:
+        raise CheckpointError("ck/iter_2: corrupt")
+    except CheckpointError as e:
+        err = e
+    for rank in ("1", "0"):
+        monkeypatch.setenv("RANK", rank)
+        faults.report_known(err)
+    assert capsys.readouterr().err == "hla-sp train: error: ck/iter_2: corrupt\n"
+    monkeypatch.setenv(faults.REPORT_ENV, str(tmp_path))  # under hla-sp train: to the file
+    faults.report_known(err)
+    assert capsys.readouterr().err == ""
+    assert faults.read_reports(str(tmp_path))[0]["message"] == "ck/iter_2: corrupt"
+    monkeypatch.setenv(faults.DEBUG_ENV, "1")
+    faults.report_known(err)
+    assert "Traceback" in capsys.readouterr().err
+
+
+class _Store:
+    """The few store calls faults uses, in memory."""
+
+    def __init__(self) -> None:
+        self.d: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.d[key] = value.encode()
+
+    def get(self, key: str) -> bytes:
+        return self.d[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.d for k in keys)
+
+    def set_timeout(self, t: object) -> None:
+        pass
+
+
+def test_a_peer_died_is_said_only_when_one_did(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Both ranks fail in the same collective and stop beating: neither calls the other
+    dead, since each says it failed before diagnosing."""
+    store = _Store()
+    monkeypatch.setattr(faults, "_store", lambda: store)
+    monkeypatch.setattr(faults, "BEAT_S", 0.2)  # the diagnosis reads 0.6 s apart
+    for r in (0, 1):  # beats that no longer move
+        store.set(f"hla_sp/heartbeat/{r}", json.dumps({"beat": 3, "it": 0, "at": "x",
+                                                       "coll": True}))
+    ranks = [threading.Thread(target=faults.report_failure,
+                              args=(r, 2, dist.DistBackendError("Connection closed by peer")))
+             for r in (0, 1)]  # at the same time, as the two processes do
+    for t in ranks:
+        t.start()
+    for t in ranks:
+        t.join()
+    err = capsys.readouterr().err
+    assert "stopped responding" not in err, err
+    # a peer that is gone without a word is still named
+    store.d.pop("hla_sp/failed/1")
+    faults.report_failure(0, 2, dist.DistBackendError("Connection closed by peer"))
+    assert "rank(s) 1 (last finished iteration 0) stopped responding" in capsys.readouterr().err
