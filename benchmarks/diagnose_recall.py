@@ -85,10 +85,10 @@ def moments(mixer: str, tokens: torch.Tensor) -> dict[str, Any]:
     if mixer.startswith("linear"):
         o, _ = linear_attention(q, k, v, log_decay=g, scale=1.0)
     else:
-        from hla_sp.ops import grouped_operator
+        from hla_sp.ops import run_operator
 
         mix = None if heads.key_mix is None else torch.full_like(heads.key_mix, 1.0)
-        o, _ = grouped_operator("hla2", q, k, v, log_decay=g, scale=1.0, key_mix=mix)
+        o, _ = run_operator("hla2", q, k, v, log_decay=g, scale=1.0, key_mix=mix)
     # The RMSNorm divides by |o_t|: a wide spread of |o_t| over t means large, uneven
     # gradients through it where |o_t| is small.
     mag = o[:, 8:].norm(dim=-1)  # [B, T', H]

@@ -162,7 +162,7 @@ def test_poisoned_decay_inside_the_chunk_path(torch_backend: None, value: float)
     """The public calls refuse a NaN or +inf decay; the chunk path below them, which
     the layers and the sequence-parallel pieces share, still isolates one."""
     from hla_sp.ops.custom_op import chunk_impl
-    from hla_sp.ops.linear_attention import local_primitive
+    from hla_sp.ops.primitive import local_primitive
 
     x = _inputs()
     with pytest.raises(ValueError, match="log_decay"):

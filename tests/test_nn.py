@@ -9,7 +9,7 @@ import torch
 
 from hla_sp import HLA2State, hla2
 from hla_sp.nn import DECAYS, OPERATORS, HLAHeads, HLAttention, retnet_log_decay
-from hla_sp.ops import LinearState, grouped_operator
+from hla_sp.ops import LinearState, run_operator
 
 F64 = torch.float64
 
@@ -43,11 +43,11 @@ def test_gqa_shared_state_equals_per_head(op, packed, mixed):
     else:
         mix = {}
     leaves = [t.clone().requires_grad_() for t in (q, k, v, a)]
-    o, st = grouped_operator(op, *leaves[:3], log_decay=leaves[3], output_final_state=True,
+    o, st = run_operator(op, *leaves[:3], log_decay=leaves[3], output_final_state=True,
                              cu_seqlens=cu, chunk_size=8, **_options(op), **mix)
     ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, a)]
     rq, rk, rv, ra = ref_leaves
-    o_ref, st_ref = grouped_operator(
+    o_ref, st_ref = run_operator(
         op, rq, rk.repeat_interleave(G, 2), rv.repeat_interleave(G, 2),
         log_decay=ra.repeat_interleave(G, -1), output_final_state=True, cu_seqlens=cu,
         chunk_size=8, **_options(op), **mix)
@@ -79,7 +79,7 @@ def test_first_order_path_is_the_sum_of_the_operators(op):
     wk, wv = torch.randn(3, generator=g, dtype=F64), torch.randn(3, generator=g, dtype=F64)
     key_mix = wk if op in ("hla2", "hla3") else None
     value_mix = wv if op in ("ahla", "hla3") else None
-    o, st = grouped_operator(op, q, k, v, log_decay=a, key_mix=key_mix, value_mix=value_mix,
+    o, st = run_operator(op, q, k, v, log_decay=a, key_mix=key_mix, value_mix=value_mix,
                              output_final_state=True, chunk_size=8)
     kw = dict(log_decay=a, output_final_state=True)
     lin, h_lin = linear_attention(q, k, v, **kw)
@@ -112,7 +112,7 @@ def test_mix_norm_is_the_composition_with_unit_intermediates(op):
     wv = torch.tensor([-0.4, 0.9, 1.1, -2.2], dtype=F64, requires_grad=True)
     key_mix = wk if op in ("hla2", "hla3") else None
     value_mix = wv if op in ("ahla", "hla3") else None
-    o, st = grouped_operator(op, *leaves[:3], log_decay=leaves[3], key_mix=key_mix,
+    o, st = run_operator(op, *leaves[:3], log_decay=leaves[3], key_mix=key_mix,
                              value_mix=value_mix, mix_norm=True, output_final_state=True,
                              chunk_size=8)
 
@@ -172,7 +172,7 @@ def test_gqa_state_is_per_group():
 
 def test_mha_path_is_the_public_operator():
     q, k, v, a = _inputs(Hq=2, Hkv=2)
-    o, st = grouped_operator("hla2", q, k, v, log_decay=a, output_final_state=True, normalize=True)
+    o, st = run_operator("hla2", q, k, v, log_decay=a, output_final_state=True, normalize=True)
     o2, st2 = hla2(q, k, v, log_decay=a, output_final_state=True, normalize=True)
     torch.testing.assert_close(o, o2, rtol=0, atol=0)
     assert isinstance(st, HLA2State)
@@ -315,7 +315,7 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="k"):
         m.heads(torch.randn(1, 5, 4, 4), torch.randn(1, 5, 4, 4), torch.randn(1, 5, 2, 4))
     with pytest.raises(ValueError, match="k"):
-        grouped_operator("hla2", torch.randn(1, 5, 4, 4), torch.randn(1, 5, 3, 4),
+        run_operator("hla2", torch.randn(1, 5, 4, 4), torch.randn(1, 5, 3, 4),
                          torch.randn(1, 5, 3, 4))
 
 

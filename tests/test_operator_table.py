@@ -18,6 +18,7 @@ import torch
 from hla_sp import config
 from hla_sp.ops import operators
 from hla_sp.ops.compositions import StageContext
+from hla_sp.ops.runner import run_operator
 
 TOY = "toy_qqv"
 F64 = torch.float64
@@ -41,7 +42,7 @@ def toy_stages(ctx: StageContext, qs, k, v, state0):
 
 def toy(q, k, v, **kw):
     """The toy's public function: the table's runner under its name."""
-    return operators.call(TOY, q, k, v, **kw)
+    return run_operator(TOY, q, k, v, **kw)
 
 
 def toy_reference(q, k, v, log_decay=None, scale=None, initial_state=None):
@@ -128,14 +129,13 @@ def test_toy_in_the_layer_with_groups_and_mix() -> None:
     """GQA with the value mix equals the per-head call on repeated k, v; the layer runs
     forward and backward, and its decode steps continue its forward exactly."""
     from hla_sp.nn import HLAttention
-    from hla_sp.ops import grouped_operator
 
     q, k, v, g = _inputs(Hq=4, Hkv=2)
     mix = torch.linspace(-1.0, 1.0, 4, dtype=F64)
     with operators.registered(SPEC):
-        o, st = grouped_operator(TOY, q, k, v, log_decay=g, value_mix=mix,
+        o, st = run_operator(TOY, q, k, v, log_decay=g, value_mix=mix,
                                  output_final_state=True, chunk_size=4)
-        o2, st2 = grouped_operator(TOY, q, k.repeat_interleave(2, 2), v.repeat_interleave(2, 2),
+        o2, st2 = run_operator(TOY, q, k.repeat_interleave(2, 2), v.repeat_interleave(2, 2),
                                    log_decay=g.repeat_interleave(2, -1), value_mix=mix,
                                    output_final_state=True, chunk_size=4)
         assert _rel(o, o2) <= TOL and all(_rel(a, b) <= TOL for a, b in zip(st, st2))

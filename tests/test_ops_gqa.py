@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hla_sp
-from hla_sp.ops import grouped_operator
+from hla_sp.ops import run_operator
 
 B, T, H, HKV, K = 1, 19, 4, 2, 8
 G = H // HKV
@@ -72,11 +72,11 @@ def test_grouped_state_continues() -> None:
     _close(o2, o[:, cut:], "o after the cut")
 
 
-def test_grouped_public_equals_grouped_operator() -> None:
-    """The public call is the grouped operator (one code path), bit for bit."""
+def test_public_call_is_the_runner() -> None:
+    """The public call is the one runner (one code path), bit for bit."""
     q, k, v, g = (x.detach() for x in _inputs(2))
     a, _ = hla_sp.hla3(q, k, v, log_decay=g)
-    b, _ = grouped_operator("hla3", q, k, v, log_decay=g)
+    b, _ = run_operator("hla3", q, k, v, log_decay=g)
     assert torch.equal(a, b)
 
 

@@ -158,11 +158,11 @@ def _replicated_mismatch_task(rank: int, P: int) -> list[str]:
     attempt("ridge", lambda: hla_sp.hla2(q, k, v, ridge=0.25 if one else 0.0, sp=sp))
     attempt("eps", lambda: hla_sp.hla2(q, k, v, normalize=True, eps=1e-3 if one else 1e-6,
                                        sp=sp))
-    from hla_sp.ops import grouped_operator
+    from hla_sp.ops import run_operator
 
     qg = torch.cat([q, q], dim=2)  # 4 query heads over 2 kv heads
     mix = torch.full((4,), 0.5 + one)
-    attempt("key_mix", lambda: grouped_operator("hla2", qg, k, v, key_mix=mix, sp=sp))
+    attempt("key_mix", lambda: run_operator("hla2", qg, k, v, key_mix=mix, sp=sp))
     # Agreeing ranks still run, with a per-token decay and an initial state: no error.
     attempt("agree", lambda: hla_sp.hla2(q, k, v, log_decay=torch.full((1, T // P, 2), -0.1),
                                          initial_state=(S0, H0), sp=sp))
@@ -206,7 +206,7 @@ def test_replicated_values_must_agree(world, P: int) -> None:
 
 
 def _direct_primitive_task(rank: int, P: int) -> str:
-    from hla_sp.ops.linear_attention import primitive
+    from hla_sp.ops.primitive import primitive
 
     q, k, v = _inputs(4)
     try:

@@ -101,13 +101,10 @@ def test_bad_input_names_argument_expected_and_received(case, name):
 
 
 def test_bad_input_is_rejected_before_work(monkeypatch):
-    import importlib
-
-    # The package re-exports the function under the module's name, so import by path.
-    la = importlib.import_module("hla_sp.ops.linear_attention")
+    from hla_sp.ops import primitive
 
     calls = []
-    monkeypatch.setattr(la, "local_primitive", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(primitive, "local_primitive", lambda *a, **k: calls.append(1))
     q, k, v = _qkv()
     with pytest.raises(ValueError):
         hla_sp.hla2(q, k, v, log_decay=torch.tensor([0.5, 0.0]))
@@ -232,7 +229,7 @@ def test_chunk_size_capped_at_sequence_length(monkeypatch):
     (chunk 2^20 at T=16 used to allocate 1 TiB)."""
     import importlib
 
-    la = importlib.import_module("hla_sp.ops.linear_attention")
+    la = importlib.import_module("hla_sp.ops.primitive")
     seen: list[int] = []
     real = la.local_primitive
 

@@ -4,7 +4,7 @@
   plain PyTorch layer and Megatron's core-attention slot have in common.
 * :class:`HLAttention` (:mod:`hla_sp.nn.layer`) adds the q/k/v/o projections and decoding.
 
-The operators themselves, GQA included (:func:`hla_sp.ops.grouped.grouped_operator`),
+The operators themselves, GQA included (:func:`hla_sp.ops.runner.run_operator`),
 live in :mod:`hla_sp.ops`; this package holds only modules.
 """
 

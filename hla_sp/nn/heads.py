@@ -27,9 +27,10 @@ from torch import nn
 from hla_sp.config import DECAYS, PRECISIONS, HLAConfig, operator_names
 from hla_sp.nn.conv import ShortConv
 from hla_sp.ops import operators, validate
-from hla_sp.ops.grouped import grouped_operator
 from hla_sp.ops.precision import compute_dtype, resolve, stage_dtype
-from hla_sp.ops.sharding import BatchPlan, SequenceParallelism
+from hla_sp.ops.runner import run_operator
+from hla_sp.ops.sharding import BatchPlan
+from hla_sp.ops.sp_protocol import SequenceParallelism
 
 DEFAULTS = HLAConfig()
 HEADS_OPTIONS = tuple(DEFAULTS.heads_kwargs())  # the HLA options the layers take
@@ -294,7 +295,7 @@ class HLAHeads(nn.Module):
         sdt = stage_dtype(resolve(self.precision, in_dtype, q.device), in_dtype)
         q, k, v = q.to(sdt), k.to(sdt), v.to(sdt)
         mixes = [None if p is None else p.to(sdt) for p in (self.key_mix, self.value_mix)]
-        o, state = grouped_operator(
+        o, state = run_operator(
             self.operator, q, k, v, log_decay=log_decay, normalize=self.normalize,
             eps=self.eps, ridge=self.ridge, scale=self.scale, initial_state=op_state,
             output_final_state=output_final_state, cu_seqlens=cu_seqlens, sp=sp,

@@ -16,7 +16,8 @@ from torch import nn
 from hla_sp.config import HLAConfig
 from hla_sp.nn.heads import HEADS_OPTIONS, HLAHeads
 from hla_sp.ops import validate
-from hla_sp.ops.sharding import BatchPlan, SequenceParallelism
+from hla_sp.ops.sharding import BatchPlan
+from hla_sp.ops.sp_protocol import SequenceParallelism
 
 
 class HLAttention(nn.Module):

@@ -6,7 +6,7 @@
     hla3 = LA(q, LA(q, k, k), LA(q, k, v))       state (S, C, H)
     ccq = LA(LA(q, k, k), k, v)                  state (S, h)
 
-Every stage is one call of :func:`hla_sp.ops.linear_attention.primitive` (bound into a
+Every stage is one call of :func:`hla_sp.ops.primitive.primitive` (bound into a
 :class:`StageContext` by the caller), so kernels, gradients and sequence parallelism
 come from the primitive alone. The operator table (:mod:`hla_sp.ops.operators`) names
 these functions; it runs them. What passes between the stages is chosen by

@@ -38,8 +38,8 @@ from hla_sp.ops.isolation import (
     poison_segments,
     poisoned_prefix,
 )
-from hla_sp.ops.linear_attention import DEFAULT_CHUNK_SIZE
-from hla_sp.ops.operators import state_fields
+from hla_sp.ops.primitive import DEFAULT_CHUNK_SIZE
+from hla_sp.ops.table import state_fields
 
 Tensor = torch.Tensor
 

@@ -1,128 +1,20 @@
-"""The primitive: decayed causal linear attention, and its public function.
+"""The public function of the primitive: decayed causal linear attention (first order).
 
     LA(q, k, v)_t = sum_{j<=t} exp(A_t - A_j) (q_t . k_j) v_j
     h_t = exp(a_t) h_{t-1} + k_t v_t^T,   o_t = q_t^T h_t
 
-Three layers, as in fla: :func:`local_primitive` (one process, packed documents,
-carries), :func:`primitive` (routes to sequence parallelism when ``sp`` is given) and
-:func:`linear_attention` (validation, scale, the documented public call).
+The primitive itself, on validated inputs, is :mod:`hla_sp.ops.primitive`; this is its
+documented public call, validated once by the runner as every operator is.
 """
 
 from __future__ import annotations
 
-import itertools
-from typing import Any
-
 import torch
 
-from hla_sp.ops import validate
-from hla_sp.ops.chunk import document_resets, segment_summary, with_carry_terms
-from hla_sp.ops.custom_op import chunk_impl
-from hla_sp.ops.isolation import carry_into, finite_decay
-from hla_sp.ops.sharding import BatchPlan, SequenceParallelism, documents_bounds
-
-# The documents of a primitive call: offsets (a tensor, read on the host, or Python
-# ints) or a BatchPlan (no host read).
-Documents = torch.Tensor | BatchPlan | tuple[int, ...] | None
-
-DEFAULT_CHUNK_SIZE = 64
-
-
-def local_primitive(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor | None,
-    *,
-    cu_seqlens: Documents = None,
-    h0: torch.Tensor | None = None,
-    want_final: bool = False,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The primitive on one process, from validated inputs.
-
-    Args:
-        q: [B, T, H, K], already scaled. k: [B, T, H, K]. v: [B, T, H, V].
-        g: [B, T, H] log-decay or None.
-        cu_seqlens: document offsets [N + 1] (B == 1): an int64 CPU tensor, Python
-            ints or a :class:`BatchPlan` (no host read); or None.
-        h0: [N, H, K, V] initial state per sequence (N = B without cu_seqlens), or None.
-        want_final: also return the final state of each sequence.
-
-    Returns:
-        o: [B, T, H, V] in q's dtype; final: [N, H, K, V] (fp32, or fp64 for fp64
-        inputs) or None.
-    """
-    impl = chunk_impl(q)
-    bounds = (cu_seqlens.bounds if isinstance(cu_seqlens, BatchPlan)
-              else documents_bounds(cu_seqlens))
-    if bounds is None:
-        o, h_last = impl(q, k, v, g, h0=h0, chunk_size=chunk_size)
-        return o.to(q.dtype), (h_last if want_final else None)
-
-    T = q.shape[1]
-    resets = document_resets(bounds, T, q.device)
-    # The first document's initial state is the carry into position 0; the others
-    # are added to their documents afterwards (their starts cut the chunk carry).
-    o, h_last = impl(
-        q, k, v, g, resets=resets, h0=None if h0 is None else h0[:1], chunk_size=chunk_size
-    )
-    docs = list(itertools.pairwise(bounds))
-
-    def piece(x: torch.Tensor | None, s: int, e: int) -> torch.Tensor | None:
-        return None if x is None else x[:, s:e]
-
-    if h0 is not None:
-        o = with_carry_terms(
-            o, q, g, [(s, e, h0[i : i + 1]) for i, (s, e) in enumerate(docs[1:], start=1)])
-    final = None
-    if want_final:
-        states = []
-        for i, (s, e) in enumerate(docs[:-1]):
-            h, a = segment_summary(k[:, s:e], v[:, s:e], piece(g, s, e))
-            if h0 is not None:
-                h = carry_into(h, a, h0[i : i + 1])
-            states.append(h)
-        if h0 is not None and len(docs) > 1:
-            # The chunk scan saw the last document's start as a cut; add its carry.
-            s = docs[-1][0]
-            a = (
-                finite_decay(g[:, s:].to(h_last.dtype)).sum(1)
-                if g is not None
-                else torch.zeros_like(h_last[..., 0, 0])
-            )
-            h_last = carry_into(h_last, a, h0[-1:])
-        states.append(h_last)
-        final = torch.cat(states, dim=0)
-    return o.to(q.dtype), final
-
-
-def primitive(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor | None,
-    *,
-    cu_seqlens: Documents = None,
-    h0: torch.Tensor | None = None,
-    want_final: bool = False,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    sp: SequenceParallelism | None = None,
-    plan: Any = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`local_primitive`, or its sequence-parallel form when ``sp`` is given.
-
-    Under ``sp`` each rank passes its shard; ``cu_seqlens`` and ``h0`` are global, and
-    ``plan`` is what ``sp.check_call`` returned for the call this stage belongs to.
-    """
-    if sp is None:
-        return local_primitive(
-            q, k, v, g, cu_seqlens=cu_seqlens, h0=h0, want_final=want_final, chunk_size=chunk_size
-        )
-    return sp.primitive(
-        q, k, v, g, cu_seqlens=cu_seqlens, h0=h0, want_final=want_final,
-        chunk_size=chunk_size, plan=plan,
-    )
+from hla_sp.ops.primitive import DEFAULT_CHUNK_SIZE
+from hla_sp.ops.runner import run_operator
+from hla_sp.ops.sharding import BatchPlan
+from hla_sp.ops.sp_protocol import SequenceParallelism
 
 
 def linear_attention(
@@ -160,44 +52,8 @@ def linear_attention(
     Returns:
         (o [B, T, H, V] in q's dtype, final state or None)
     """
-    # grouped.py builds on this module: imported here, not at the top (an import cycle)
-    from hla_sp.ops.grouped import grouped_operator, is_grouped
-
-    if is_grouped(q, k):  # fewer kv heads than query heads: one state per kv group
-        h0 = initial_state if initial_state is None else (initial_state,)
-        o, state = grouped_operator(
-            "linear", q, k, v, log_decay=log_decay, scale=scale, initial_state=h0,
-            output_final_state=output_final_state, cu_seqlens=cu_seqlens, sp=sp,
-            chunk_size=chunk_size, plan=plan)
-        return o, None if state is None else state[0]
-    inputs = validate.check_inputs(
-        q,
-        k,
-        v,
-        log_decay=log_decay,
-        scale=scale,
-        cu_seqlens=cu_seqlens,
-        sp=sp,
-        chunk_size=chunk_size,
-        output_final_state=output_final_state,
-        plan=plan,
-    )
-    shape = (inputs.n_seq, inputs.H, inputs.K, inputs.V)
-    h0 = validate.check_state("initial_state", initial_state, shape, inputs.q)
-    call = None
-    if sp is not None:
-        # output_final_state decides whether the final state is all-reduced: agree on it.
-        call = sp.check_call(inputs, op="linear", options=dict(
-            output_final_state=output_final_state, initial_state=h0))
-    return primitive(
-        inputs.q * inputs.scale,
-        inputs.k,
-        inputs.v,
-        inputs.g,
-        cu_seqlens=inputs.plan,
-        h0=h0,
-        want_final=output_final_state,
-        chunk_size=inputs.chunk_size,
-        sp=sp,
-        plan=call,
-    )
+    o, state = run_operator(
+        "linear", q, k, v, log_decay=log_decay, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, sp=sp,
+        chunk_size=chunk_size, plan=plan)
+    return o, None if state is None else state[0]

@@ -1,12 +1,4 @@
-"""The protocol that sequence parallelism implements for the operators.
-
-The operators live below :mod:`hla_sp.parallel` and never import it: they call the
-``sp=`` object they are given through this protocol, which
-:class:`hla_sp.parallel.SequenceParallel` implements. A public operator checks its
-call once (:meth:`SequenceParallelism.check_call`, which returns an immutable plan)
-and hands that plan to every primitive stage of the call
-(:meth:`SequenceParallelism.primitive`), so the stages share one ordering of their
-collectives and nothing of the call is stored on the ``sp`` object.
+"""The documents and sharding of a batch as Python ints: :class:`BatchPlan`.
 
 A :class:`BatchPlan` describes one batch (its documents and, under sequence
 parallelism, every rank's length and piece) as Python ints, built once per batch
@@ -19,14 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from hla_sp.ops.validate import Inputs
 
 
 def bounds_digest(bounds: Sequence[int] | None) -> int:
@@ -147,41 +136,3 @@ def documents_bounds(cu_seqlens: object) -> tuple[int, ...] | None:
         raise ValueError(f"cu_seqlens: expected a 1-D tensor of N + 1 >= 2 offsets, got "
                          f"({len(bounds)},)")
     return bounds
-
-
-class SequenceParallelism(Protocol):
-    """How a sequence is sharded over ranks; passed as ``sp=`` to every operator."""
-
-    def check_call(
-        self,
-        inputs: Inputs,
-        *,
-        op: str,
-        options: Mapping[str, object] | Sequence[tuple[str, object]],
-    ) -> Any:
-        """Check that every rank agrees on this call (the same error on every rank
-        otherwise, naming what differs: ``options`` maps each option's name to its
-        value; a tensor or tuple of tensors, such as an initial state, is compared by
-        a digest of its values); return the call's plan, an immutable object the
-        stages pass back."""
-        ...
-
-    def primitive(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor | None,
-        *,
-        cu_seqlens: torch.Tensor | None,
-        h0: torch.Tensor | None,
-        want_final: bool,
-        chunk_size: int,
-        plan: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The primitive on this rank's shard [B, T_local, H, *] under ``plan``.
-
-        ``cu_seqlens`` [N + 1] and ``h0`` [N, H, K, V] are global; returns this rank's
-        outputs [B, T_local, H, V] and the global final states (or None).
-        """
-        ...

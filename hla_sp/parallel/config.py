@@ -54,7 +54,7 @@ tree, and a contiguous layout without a batch plan are refused there by name.
 :class:`~hla_sp.parallel.plan.Plan` with its signature), which the caller hands to
 every primitive stage of the call: ``SequenceParallel`` itself is configuration plus
 which kinds it has checked. It implements the protocol
-:class:`hla_sp.ops.sharding.SequenceParallelism` that the operators call.
+:class:`hla_sp.ops.sp_protocol.SequenceParallelism` that the operators call.
 """
 
 from __future__ import annotations

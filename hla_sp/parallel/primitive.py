@@ -28,7 +28,7 @@ term; the compiler orders and overlaps the collective.
 
 With ``overlap=False`` (a :class:`~hla_sp.parallel.SequenceParallel` option for
 benchmarks) step 2 waits before step 3, in forward and in backward. The chunk algebra itself is
-:mod:`hla_sp.ops.chunk` and :func:`hla_sp.ops.linear_attention.local_primitive`, never
+:mod:`hla_sp.ops.chunk` and :func:`hla_sp.ops.primitive.local_primitive`, never
 re-implemented here.
 """
 
@@ -44,8 +44,8 @@ from hla_sp.ops.chunk import segment_summary, with_carry_terms
 from hla_sp.ops.chunk_split import SplitChunks
 from hla_sp.ops.dispatch import backend_for
 from hla_sp.ops.isolation import carry_into
-from hla_sp.ops.linear_attention import local_primitive
 from hla_sp.ops.precision import compute_dtype
+from hla_sp.ops.primitive import local_primitive
 from hla_sp.parallel import exchange
 from hla_sp.parallel import summaries as S
 from hla_sp.parallel.layouts import Piece

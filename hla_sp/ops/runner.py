@@ -1,14 +1,19 @@
-"""The operators with grouped keys and values (GQA/MQA), exact through the primitive.
+"""The one operator runner: validate a call once, agree across ranks, run its stages.
+
+Every operator call comes here: the public functions (:func:`hla_sp.hla2`, ...), the
+layer (with its first-order mixes) and user operators registered in the table. The
+call may have fewer kv heads than query heads (GQA/MQA); one kv head per query head is
+the degenerate group G = 1.
 
 With ``num_kv_heads < num_heads`` the query heads ``g * G .. g * G + G - 1`` share kv
-head ``g`` (G = num_heads // num_kv_heads, Megatron's order). Every first-order stage
-whose key and value are both kv-head tensors (S = sum k k^T of hla2/hla3, C = sum k v^T
-of ahla/hla3, the state of ``linear``) then has ONE state per group: the stage runs on
-the kv heads, and each query head reads it (k~ = S q). Through the primitive this is
-exact: each token t becomes G sub-tokens, the first carrying k_t (and the decay), the
-others k = 0 and no decay, so the state does not move while the G query heads of the
-group read it in turn. The stages whose key or value depends on the query (H of hla2,
-ahla, hla3) run per query head.
+head ``g`` (G = num_heads // num_kv_heads, Megatron's order). Every stage whose key and
+value are both kv-head tensors (S = sum k k^T of hla2/hla3/ccq, C = sum k v^T of
+ahla/hla3, the state of ``linear``) then has ONE state per group: the stage runs on the
+kv heads, and each query head reads it (k~ = S q). Through the primitive this is exact:
+each token t becomes G sub-tokens, the first carrying k_t (and the decay), the others
+k = 0 and no decay, so the state does not move while the G query heads of the group
+read it in turn. The stages whose key or value depends on the query (H of hla2, ahla,
+hla3) run per query head.
 """
 
 from __future__ import annotations
@@ -18,20 +23,14 @@ from typing import Any
 import torch
 
 from hla_sp.config import PRECISIONS
-from hla_sp.ops import operators, validate
-from hla_sp.ops.compositions import DEFAULT_EPS, LinearState, StageContext
-from hla_sp.ops.linear_attention import DEFAULT_CHUNK_SIZE, primitive
+from hla_sp.ops import table, validate
+from hla_sp.ops.compositions import StageContext
 from hla_sp.ops.precision import resolve, stage_dtype
-from hla_sp.ops.sharding import BatchPlan, SequenceParallelism
+from hla_sp.ops.primitive import DEFAULT_CHUNK_SIZE, primitive
+from hla_sp.ops.sharding import BatchPlan
+from hla_sp.ops.sp_protocol import SequenceParallelism
 
-__all__ = ["LinearState", "grouped_operator", "is_grouped"]
-
-
-def is_grouped(q: object, k: object) -> bool:
-    """Whether q [B, T, Hq, K] and k [B, T, Hkv, K] have fewer kv heads than query heads
-    (a GQA/MQA call); anything else goes to the public operators' own validation."""
-    return (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == 4
-            and k.dim() == 4 and k.shape[2] != q.shape[2])
+__all__ = ["run_operator"]
 
 
 def _interleave(x: torch.Tensor, groups: int, *, repeat: bool) -> torch.Tensor:
@@ -50,20 +49,20 @@ def _interleave(x: torch.Tensor, groups: int, *, repeat: bool) -> torch.Tensor:
 
 
 class _Stages:
-    """The stages of one grouped call: shared (per kv group) and per query head.
+    """The stages of one call: shared (per kv group) and per query head.
 
     Under ``sp`` every stage of the call passes the plan of its shape: the per-head
-    stages that of the kv-head view checked by the caller, the shared stages (when
+    stages that of the kv-head view checked by the runner, the shared stages (when
     G > 1) that of the interleaved shard, checked once at its first use so that all
     shared stages share one ordering chain.
     """
 
-    def __init__(self, G: int, g: torch.Tensor | None, *, cu_seqlens: torch.Tensor | None,
+    def __init__(self, G: int, g: torch.Tensor | None, *, cu_seqlens: Any,
                  want_final: bool, chunk_size: int, sp: SequenceParallelism | None,
                  plan: Any):
         self.G, self.g, self.cu, self.want_final = G, g, cu_seqlens, want_final
         self.chunk_size, self.sp, self.plan = chunk_size, sp, plan
-        self.gq = None if g is None else g.repeat_interleave(G, dim=-1)  # per query head
+        self.gq = None if g is None or G == 1 else g.repeat_interleave(G, dim=-1)
         self.shared_plan = plan if G == 1 else None
 
     def _primitive(self, q, k, v, g, h0, cu, plan):
@@ -73,7 +72,8 @@ class _Stages:
     def per_head(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  h0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """q, k [B, T, Hq, K], v [B, T, Hq, V]: the primitive per query head."""
-        return self._primitive(q, k, v, self.gq, h0, self.cu, self.plan)
+        g = self.g if self.G == 1 else self.gq
+        return self._primitive(q, k, v, g, h0, self.cu, self.plan)
 
     def shared(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                h0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -100,8 +100,13 @@ class _Stages:
         return o.view(B, T, G, Hkv, V).transpose(2, 3).reshape(B, T, Hq, V), final
 
 
-def _check_grouped(q: object, k: object, v: object) -> tuple[int, int]:
-    """q [B, T, Hq, K], k [B, T, Hkv, K], v [B, T, Hkv, V]; returns (Hq, Hkv)."""
+def _group_size(q: object, k: object, v: object) -> int:
+    """G = Hq / Hkv for q [B, T, Hq, K], k [B, T, Hkv, K], v [B, T, Hkv, V]; 1 where the
+    head counts are equal or the inputs are not 4-d tensors (the common validation then
+    names what is wrong)."""
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == 4
+            and k.dim() == 4 and k.shape[2] != q.shape[2]):
+        return 1
     for name, x in (("q", q), ("k", k), ("v", v)):
         validate.check_tensor(name, x, 4, "[B, T, H, D]")
     assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
@@ -120,39 +125,18 @@ def _check_grouped(q: object, k: object, v: object) -> tuple[int, int]:
         if t.dtype != q.dtype or t.device != q.device:
             raise TypeError(f"{name}: expected dtype {q.dtype} on {q.device} (those of q), "
                             f"got {t.dtype} on {t.device}")
-    return Hq, Hkv
+    return Hq // Hkv
 
 
-def _public(spec: operators.OperatorSpec, q, k, v, kw: dict, options: dict,
-            precision: str) -> tuple[torch.Tensor, tuple | None]:
-    """The operator's public function itself (no groups, no first-order path)."""
-    kw.update(options)
-    if spec.precision:
-        kw["precision"] = precision
-    if not spec.bare_state:
-        return spec.public(q, k, v, **kw)
-    state = kw["initial_state"]
-    if isinstance(state, (tuple, list)):  # the state type, a 1-tuple, or the bare tensor
-        if len(state) != 1:
-            raise ValueError(f"initial_state: expected (h,) for operator {spec.name!r}, "
-                             f"got a tuple of {len(state)}")
-        kw["initial_state"] = state[0]
-    o, h = spec.public(q, k, v, **kw)
-    return o, (spec.state_type(h) if h is not None else None)
-
-
-def grouped_operator(
+def run_operator(
     operator: str,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     *,
     log_decay: torch.Tensor | None = None,
-    normalize: bool = False,
-    eps: float = DEFAULT_EPS,
-    ridge: float = 0.0,
     scale: float | None = None,
-    initial_state: tuple | None = None,
+    initial_state: Any = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     sp: SequenceParallelism | None = None,
@@ -162,70 +146,73 @@ def grouped_operator(
     mix_norm: bool = False,
     precision: str = "auto",
     plan: BatchPlan | None = None,
+    **options: object,
 ) -> tuple[torch.Tensor, tuple | None]:
-    """An HLA operator with grouped keys and values (GQA/MQA), exact.
-
-    The public operators (:func:`hla_sp.hla2`, ...) come here when k has fewer heads
-    than q; this is also the layer's call (the first-order path's mixes).
+    """Run an operator of the table, exact, with Hkv kv heads shared by groups of G.
 
     Args:
-        operator: a name of the operator table (:mod:`hla_sp.ops.operators`): "hla2" |
-            "ahla" | "hla3" | "linear", or one registered there.
+        operator: a name of the operator table (:mod:`hla_sp.ops.table`): "hla2" |
+            "ahla" | "hla3" | "ccq" | "linear", or one registered there.
         q: [B, T, Hq, K]. k: [B, T, Hkv, K]. v: [B, T, Hkv, V], Hq a multiple of Hkv.
         log_decay: broadcasts to [B, T, Hkv] (values <= 0); one decay per group.
-        initial_state: the operator's state with the shared fields (S, C, h) over Hkv
-            heads and the per-query-head fields (H, eta) over Hq heads.
+        initial_state: the operator's state tuple, with the shared fields (S, C, h) over
+            Hkv heads and the per-query-head fields (H, eta) over Hq heads; for an
+            operator whose public function takes its one field bare (``linear``), that
+            tensor is accepted too.
         key_mix, value_mix: [Hq] weights of the first-order path (see
             :class:`hla_sp.ops.compositions.StageContext`), or None for the pure
             operator; an operator without that mix ignores it.
         mix_norm: unit-normalise the mixed-in k~ and u per token (``StageContext``).
-        normalize, eps, ridge: options of the operators that take them (hla2); the
-            others must leave them at their defaults.
+        precision: "auto" | "exact" | "fast" (:mod:`hla_sp.ops.precision`).
         plan: the batch's :class:`~hla_sp.ops.sharding.BatchPlan` instead of
             ``cu_seqlens``.
+        options: the operator's own (hla2: normalize, eps, ridge); the others must be
+            absent or at their defaults.
         Other keywords as in :func:`hla_sp.hla2`.
 
     Returns:
-        (o [B, T, Hq, V], state or None). With Hq == Hkv and no first-order path this is
-        exactly the public operator (it is called).
+        (o [B, T, Hq, V] in q's dtype, the operator's state type or None).
     """
-    spec = operators.get(operator)
+    spec = table.get(operator)
     validate.check_choice("precision", precision, PRECISIONS)
-    Hq, Hkv = _check_grouped(q, k, v)
+    G = _group_size(q, k, v)
     mixed = key_mix is not None or value_mix is not None
     if mixed and not (spec.key_mix or spec.value_mix):
-        takers = tuple(n for n, s in operators.TABLE.items() if s.key_mix or s.value_mix)
+        takers = tuple(n for n, s in table.TABLE.items() if s.key_mix or s.value_mix)
         raise ValueError(f"key_mix: the first-order path needs an operator among {takers}, "
                          f"got {spec.name!r}")
-    given = dict(normalize=normalize, eps=eps, ridge=ridge)
-    if Hq == Hkv and not mixed:
-        return _public(spec, q, k, v, dict(
-            log_decay=log_decay, scale=scale, initial_state=initial_state,
-            output_final_state=output_final_state, cu_seqlens=cu_seqlens, sp=sp,
-            chunk_size=chunk_size, plan=plan), operators.check_options(spec, given),
-            precision)
-    G = Hq // Hkv
-    # Validate as the public operators do, on the kv-head view (decay is per group).
+    # Validated on the kv-head view: the decay and the documents are per group.
     x = validate.check_inputs(
-        q[:, :, ::G], k, v, log_decay=log_decay, scale=scale, cu_seqlens=cu_seqlens,
-        sp=sp, chunk_size=chunk_size, output_final_state=output_final_state, plan=plan,
+        q if G == 1 else q[:, :, ::G], k, v, log_decay=log_decay, scale=scale,
+        cu_seqlens=cu_seqlens, sp=sp, chunk_size=chunk_size,
+        output_final_state=output_final_state, plan=plan,
     )
-    opts = operators.check_options(spec, given)
+    opts = table.check_options(spec, options)
     mix_norm = validate.check_bool("mix_norm", mix_norm) and mixed
     precision = resolve(precision, q.dtype, q.device)
-    fields = operators.state_fields(spec.name, x.n_seq, Hq, Hkv, x.K, x.V, **opts)
+    fields = table.state_fields(spec.name, x.n_seq, x.H * G, x.H, x.K, x.V, **opts)
+    if spec.bare_state and isinstance(initial_state, torch.Tensor):
+        initial_state = (initial_state,)
     s0 = validate.check_state_tuple(initial_state, fields, q)
-    plan = None
+    agreed = None
     if sp is not None:
-        plan = sp.check_call(x, op=f"{spec.name}/gqa{G}", options=dict(
-            **opts, key_mix=key_mix, value_mix=value_mix, mix_norm=mix_norm,
-            output_final_state=output_final_state, initial_state=s0, precision=precision))
+        # output_final_state decides whether the final states are all-reduced: agree on it.
+        agree: dict[str, object] = dict(opts)
+        if mixed:
+            agree.update(key_mix=key_mix, value_mix=value_mix, mix_norm=mix_norm)
+        agree.update(output_final_state=output_final_state, initial_state=s0)
+        if spec.precision:
+            agree["precision"] = precision
+        agreed = sp.check_call(x, op=spec.name if G == 1 else f"{spec.name}/gqa{G}",
+                               options=agree)
     stages = _Stages(G, x.g, cu_seqlens=x.plan, want_final=output_final_state,
-                     chunk_size=x.chunk_size, sp=sp, plan=plan)
-    cdt = stage_dtype(precision, q.dtype)
+                     chunk_size=x.chunk_size, sp=sp, plan=agreed)
+    # One stage has nothing to exchange between stages: it runs in the inputs' dtype.
+    cdt = stage_dtype(precision, q.dtype) if spec.precision else q.dtype
     ctx = StageContext(stages.shared, stages.per_head,
-                       expand=lambda t: t.repeat_interleave(G, dim=2), key_mix=key_mix,
-                       value_mix=value_mix, mix_norm=mix_norm, options=opts)
+                       expand=(lambda t: t) if G == 1 else
+                       (lambda t: t.repeat_interleave(G, dim=2)),
+                       key_mix=key_mix, value_mix=value_mix, mix_norm=mix_norm, options=opts)
     o, final = spec.stages(ctx, q.to(cdt) * x.scale, k.to(cdt), v.to(cdt), s0)
     state = spec.state_type(*final) if output_final_state else None
     return o.to(q.dtype), state
