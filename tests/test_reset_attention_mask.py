@@ -246,3 +246,27 @@ def bad_rows_task(rank: int, world_size: int, state: dict) -> str:
         return "no error"
     finally:
         parallel_state.destroy_model_parallel()
+
+
+def test_documents_are_planned_once_per_micro_batch(group, monkeypatch):
+    """The first HLA layer plans the micro-batch's documents; the second reuses the plan
+    (one host read per batch, not per layer)."""
+    from hla_sp.megatron_patch.documents import DocumentParams
+    from megatron.core import parallel_state
+
+    import hla_sp.ops.sharding as sharding
+
+    calls = []
+    plan_documents = sharding.plan_documents
+    monkeypatch.setattr(sharding, "plan_documents",
+                        lambda *a, **k: calls.append(a) or plan_documents(*a, **k))
+    _setup(1)
+    try:
+        model = _model(1)
+        tokens = _rows(11)
+        docs = DocumentParams.from_tokens(tokens, EOD)
+        model(tokens, _positions(tokens), None, packed_seq_params=docs).sum().backward()
+        assert len(calls) == 1, calls  # two layers, forward and backward
+        assert calls[0][1] == 2 * T  # the two rows end to end
+    finally:
+        parallel_state.destroy_model_parallel()
