@@ -110,6 +110,11 @@ class TrainConfig:
     """AdamW epsilon."""
     clip_grad: float = 1.0
     """Clip the global gradient norm to this (0 disables)."""
+    check_for_nan_in_loss_and_grad: bool = True
+    """Stop the run when the loss or the gradient norm is NaN or infinite, before the
+    optimizer steps and with nothing saved, naming the iteration, the value and the last
+    finite checkpoint (Megatron's flag; --no-check-for-nan-in-loss-and-grad trains on).
+    An fp16 overflow stays a skipped step."""
     seed: int = 1234
     """Seed for initialisation, dropout and data order."""
 
@@ -184,7 +189,12 @@ class TrainConfig:
     """With --load: resume from this iteration's checkpoint instead of the latest."""
     keep_last: int | None = None
     """Keep only the newest this many checkpoints in --save; older ones are deleted once
-    a newer one is complete (default: keep every checkpoint)."""
+    a newer one is complete (default: keep every checkpoint). The newest finite
+    checkpoint and the one this run resumed from are never deleted."""
+    break_save_lock: bool = False
+    """Take --save's lock (save.lock) even though another run holds it: for a lock left
+    by a run on another host that no longer runs (one on this host whose process is gone
+    is taken over anyway)."""
     override_opt_param_scheduler: bool = False
     """On resume, apply this run's learning-rate schedule flags instead of the
     checkpoint's (Megatron's --override-opt_param-scheduler)."""
@@ -369,8 +379,10 @@ def build_parser(
         tp, is_list = _base_type(hints[f.name])
         help_text = docs.get(f.name, "")
         if tp is bool:
+            # a flag on by default also takes --no-FLAG (--no-check-for-nan-in-loss-and-grad)
             parser.add_argument(flag, *_MEGATRON_SPELLINGS.get(f.name, ()),
-                                action="store_true", help=help_text)
+                                action=argparse.BooleanOptionalAction if f.default is True
+                                else "store_true", default=f.default, help=help_text)
             continue
         default = f.default
         kw: dict[str, Any] = {"type": tp, "default": default, "help": help_text}

@@ -43,7 +43,7 @@ from hla_sp.launch.config import (  # noqa: E402
     world_size_from_env,
 )
 from hla_sp.launch.distributed import Topology, init_distributed, shutdown  # noqa: E402
-from hla_sp.launch.trainer import Trainer  # noqa: E402
+from hla_sp.launch.trainer import NonFiniteError, Trainer  # noqa: E402
 
 __all__ = ["Trainer", "main", "run"]
 
@@ -114,6 +114,9 @@ def run(
     signals.install(graceful=cfg.exit_signal_handler)  # SIGTERM too, with the flag
     trainer: Trainer | None = None
     try:
+        # --save: one run at a time; rank 0 locks it before anything is written there,
+        # and a refusal stops every rank (released on each exit below)
+        checkpoint.hold(cfg.save, topo.rank, cfg.break_save_lock)
         trainer = Trainer(cfg, topo)
         if topo.is_first:
             metrics.say(_banner(cfg, topo, trainer))
@@ -128,6 +131,7 @@ def run(
     except signals.Interrupted as stop:
         # every rank got the signal (torchrun passes it on): one line for the run
         heartbeat.stop()
+        checkpoint.release_save_locks()
         if topo.is_first:
             it = trainer.iteration if trainer is not None else 0
             print(f"hla-sp train: stopped by {stop} during iteration {it + 1}; nothing saved "
@@ -137,7 +141,18 @@ def run(
             raise
         sys.stdout.flush()
         os._exit(128 + stop.signum)
+    except NonFiniteError as err:
+        # every rank saw the same global loss and norm: one line for the run, non-zero
+        checkpoint.release_save_locks()
+        heartbeat.stop()
+        faults.report_known(err)
+        if not exit_on_error:
+            raise
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     except Exception as err:
+        checkpoint.release_save_locks()
         known = faults.known_error(err)
         if known is not None:
             # a checkpoint, data or flag error says it all: one line for the run (every
@@ -166,6 +181,7 @@ def run(
         sys.stderr.flush()
         os._exit(1)
     heartbeat.stop()
+    checkpoint.release_save_locks()
     shutdown(topo)
     return records
 

@@ -265,7 +265,11 @@ def check_resume_layout(cfg: Any) -> None:
 def preflight(cfg: Any) -> None:
     """Everything about --save and --load that can fail later, checked before training
     (no process group, nothing written): :func:`check_save_dir`,
-    :func:`check_resume_schedule` and :func:`check_resume_layout`."""
+    :func:`check_resume_schedule` and :func:`check_resume_layout`; and that no other
+    run holds --save (:func:`~hla_sp.launch.checkpoint.lock.check_save_lock`)."""
+    from hla_sp.launch.checkpoint.lock import check_save_lock
+
     check_save_dir(cfg)
+    check_save_lock(cfg.save, getattr(cfg, "break_save_lock", False))
     check_resume_schedule(cfg)
     check_resume_layout(cfg)
