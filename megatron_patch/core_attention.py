@@ -203,7 +203,9 @@ class HLACoreAttention(MegatronModule):
             attn_mask_type: must be causal (or padding_causal with THD).
             attention_bias: must be None.
             packed_seq_params: THD batches: ``cu_seqlens_q_padded`` (else
-                ``cu_seqlens_q``) gives the documents' global offsets.
+                ``cu_seqlens_q``) gives the documents' global offsets. A
+                :class:`~hla_sp.megatron_patch.documents.DocumentParams` (sbhd,
+                ``--reset-attention-mask``): each row's documents, cut at its EODs.
 
         Returns:
             [sq, b, np * hn] (THD: [t, np * hn]) in query's dtype.

@@ -35,10 +35,15 @@ class PaddedVocabMask:
         self.vocab_size = vocab_size
         self.full = int(layer.output_size)
         self.per_rank = int(getattr(layer, "output_size_per_partition", self.full))
-        group = getattr(layer, "tp_group", None)
         self.rank = 0
-        if self.per_rank != self.full and torch.distributed.is_initialized():
-            self.rank = torch.distributed.get_rank(group)
+        if self.per_rank != self.full:  # split over the TP group: this rank's slice
+            group = getattr(layer, "tp_group", None)
+            if group is None:  # a megatron-core without the layer's own group
+                from megatron.core import parallel_state
+
+                self.rank = parallel_state.get_tensor_model_parallel_rank()
+            else:
+                self.rank = torch.distributed.get_rank(group)
 
     def __call__(self, module: Any, args: Any, output: Any) -> Any:
         logits: Tensor = output[0] if isinstance(output, tuple) else output
