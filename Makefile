@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 EXTRAS ?= dev,triton,megatron,ray
 
-.PHONY: setup setup-megatron test test-slow lint demo demo-ops demo-1m demo-recall sample bench bench-sp bench-recall bench-lm bench-precision gpu-aot gpu-check clean
+.PHONY: setup setup-megatron test test-slow lint demo demo-ops demo-1m demo-recall sample bench bench-sp bench-recall bench-lm bench-precision gpu-aot gpu-check gpu-quality clean
 
 $(STAMP): pyproject.toml requirements-cpu.txt
 	python3 -m venv $(VENV)
@@ -126,6 +126,13 @@ gpu-aot: $(STAMP)
 bench-precision: $(STAMP)
 	$(PY) benchmarks/bench_precision.py --out benchmarks/results
 	$(PY) benchmarks/bench_precision.py --out benchmarks/results --backend triton --T 128 256
+
+# On a CUDA machine: the capacity study, MQAR at (512, 64), d_model 128, hla2, linear,
+# gated-linear and softmax over 8 seeds each, side by side on the one GPU (within 8 min;
+# `python benchmarks/gpu_quality.py --plan` shows the sizing). Uses the environment's
+# python (a CUDA build of torch), as gpu-check does.
+gpu-quality:
+	$${PYTHON:-python} benchmarks/gpu_quality.py
 
 # On a CUDA machine: kernels against the reference, timings against SDPA and fla.
 gpu-check:

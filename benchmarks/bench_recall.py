@@ -337,14 +337,22 @@ def make_optimizer(model: nn.Module, mixer: str, lr: float) -> torch.optim.AdamW
 
 def train(mixer: str, T: int, pairs: int, steps: int, batch: int, lr: float = 3e-3,
           seed: int = 0, d: int = D_MODEL, eval_every: int = 100,
-          early_stop: float | None = SOLVED, threads: int = 1) -> dict[str, Any]:
-    """Train one mixer on one size; returns the curve and the final figures."""
+          early_stop: float | None = SOLVED, threads: int = 1, device: str = "cpu",
+          deadline: float | None = None) -> dict[str, Any]:
+    """Train one mixer on one size; returns the curve and the final figures.
+
+    ``device``: where the model trains (the samples are drawn on the CPU from the same
+    generators, so a seed is the same data on any device). ``deadline``: a
+    ``time.time()`` after which no further step is taken; such a run records
+    ``"cut_at"``, the last step it took (the schedule was sized for ``steps``)."""
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
+    dev = torch.device(device)
     gen = torch.Generator().manual_seed(seed + 1)
     ex, ey = mqar_batch(EVAL_SAMPLES, T, pairs, torch.Generator().manual_seed(10_000 + T))
     probe = mqar_batch(16, T, pairs, torch.Generator().manual_seed(20_000 + T))[0]
-    model = RecallLM(mixer, T, d=d)
+    ex, ey, probe = ex.to(dev), ey.to(dev), probe.to(dev)
+    model = RecallLM(mixer, T, d=d).to(dev)
     opt = make_optimizer(model, mixer, lr)
     warm = max(1, steps // 10)
 
@@ -353,9 +361,12 @@ def train(mixer: str, T: int, pairs: int, steps: int, batch: int, lr: float = 3e
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     curve, gnorms, t0 = [], [], time.perf_counter()
-    reached = stopped = None
+    reached = stopped = cut = None
     for s in range(1, steps + 1):
-        x, y = mqar_batch(batch, T, pairs, gen)
+        if deadline is not None and time.time() >= deadline:
+            cut = s - 1
+            break
+        x, y = (t.to(dev) for t in mqar_batch(batch, T, pairs, gen))
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -376,11 +387,12 @@ def train(mixer: str, T: int, pairs: int, steps: int, batch: int, lr: float = 3e
             "d_model": d, "steps": steps, "batch": batch, "lr": lr, "seed": seed,
             "acc": acc, "loss": eloss, "solved": solved(stopped, acc),
             "steps_to_0.9": reached,
-            "stopped_at": stopped, "curve": curve,
-            "grad_norm_mean": sum(gnorms) / len(gnorms), "grad_norm_max": max(gnorms),
+            "stopped_at": stopped, "curve": curve, **({"cut_at": cut} if cut is not None else {}),
+            "grad_norm_mean": sum(gnorms) / len(gnorms) if gnorms else None,
+            "grad_norm_max": max(gnorms) if gnorms else None,
             "seconds": time.perf_counter() - t0,
             "params": sum(p.numel() for p in model.parameters()),
-            "state_per_layer": state_per_layer(mixer, T, d)}
+            "state_per_layer": state_per_layer(mixer, T, d), "device": dev.type}
 
 
 def solved(stopped_at: int | None, acc: float) -> bool:
@@ -538,6 +550,12 @@ def main(argv: list[str] | None = None) -> None:
                     help=f"train every run to the end (default: stop at {SOLVED})")
     ap.add_argument("--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)),
                     help="runs in parallel, one thread each")
+    ap.add_argument("--device", default="cpu",
+                    help="where every run trains: cpu, or cuda (the runs share the one GPU, "
+                    "each in its own process)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="a wall-clock budget for the whole grid: no run takes a step past "
+                    "it, and a run it cut records the step (cut_at)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_recall")
     ap.add_argument("--name", default="recall", help="stem of the JSON and PNG files")
     ap.add_argument("--quick", action="store_true", help="a smoke run: T=16, 2 pairs, 6 steps")
@@ -571,6 +589,10 @@ def main(argv: list[str] | None = None) -> None:
         lrs_of = {m: [best[m]] for m in mixers}
     else:
         lrs_of = dict.fromkeys(mixers, _floats(a.lrs, "--lrs"))
+    if a.device != "cpu" and not (a.device.startswith("cuda") and torch.cuda.is_available()):
+        raise SystemExit(f"--device: expected cpu, or cuda on a machine with a CUDA GPU, got "
+                         f"{a.device!r} (CUDA available: {torch.cuda.is_available()})")
+    deadline = None if a.budget_s is None else time.time() + a.budget_s
     jobs = []
     # Seeds outermost: a grid stopped early has every mixer and rate at the first seeds.
     for T, pairs in sizes:
@@ -581,7 +603,8 @@ def main(argv: list[str] | None = None) -> None:
                         kw = dict(mixer=m, T=T, pairs=pairs, steps=steps,
                                   batch=max(1, TOKENS_PER_STEP // T), lr=lr, seed=seed, d=d,
                                   eval_every=2 if a.quick else a.eval_every,
-                                  early_stop=None if a.no_early_stop else SOLVED)
+                                  early_stop=None if a.no_early_stop else SOLVED,
+                                  device=a.device, deadline=deadline)
                         if (m, T, pairs, d, steps, float(lr), seed) not in done:
                             jobs.append(kw)
     print(f"{len(jobs)} runs to do, {len(done)} already in {out_json}", flush=True)
@@ -601,11 +624,13 @@ def main(argv: list[str] | None = None) -> None:
             "check_samples": CHECK_SAMPLES, "tokens_per_step": TOKENS_PER_STEP,
             "machine": {"python": sys.version.split()[0], "torch": torch.__version__,
                         "cpu": platform.processor() or platform.machine(),
-                        "jobs": a.jobs, "threads_per_job": 1},
+                        "jobs": a.jobs, "threads_per_job": 1, "device": a.device,
+                        "gpu": torch.cuda.get_device_name() if a.device != "cpu" else None},
             "summary": summarize(rs), "results": rs})
         plot(results, a.out / f"{a.name}.png")
 
-    run_parallel(_job, jobs, a.jobs, report)
+    # CUDA cannot be used in a forked child: the GPU runs start fresh interpreters.
+    run_parallel(_job, jobs, a.jobs, report, spawn=a.device != "cpu")
     print(f"wrote {out_json} and {a.out / (a.name + '.png')} "
           f"({time.perf_counter() - t0:.0f} s)")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import multiprocessing
 from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
@@ -19,12 +20,14 @@ Run = dict[str, Any]
 
 
 def run_parallel(job: Callable[[Run], Run], jobs: list[Run], workers: int,
-                 report: Callable[[Run], None]) -> None:
+                 report: Callable[[Run], None], spawn: bool = False) -> None:
     """Run ``job(kw)`` for each ``kw`` in ``jobs`` (in ``workers`` processes when more
     than one is asked for and there is more than one job) and hand each result to
-    ``report`` as it finishes. ``job`` must be a module-level function (it is pickled)."""
+    ``report`` as it finishes. ``job`` must be a module-level function (it is pickled).
+    ``spawn``: start the workers as fresh interpreters (needed for CUDA)."""
     if workers > 1 and len(jobs) > 1:
-        with ProcessPoolExecutor(workers) as pool:
+        ctx = multiprocessing.get_context("spawn") if spawn else None
+        with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
             for fut in as_completed([pool.submit(job, kw) for kw in jobs]):
                 report(fut.result())
     else:

@@ -176,3 +176,30 @@ def test_recall_jitter_moves_every_weight_by_about_its_scale() -> None:
               for k in ref)
     assert 1e-7 < rel < 1e-5
     assert any(not torch.equal(jit[k], ref[k]) for k in ref)
+
+
+def test_gpu_quality_study_runs_at_a_toy_size_on_cpu(tmp_path: Path) -> None:
+    """``make gpu-quality``'s code, at a toy size on the CPU: every mixer of the study
+    trains one seed and the table is printed; the plan counts each mixer's FLOPs."""
+    sys.path.insert(0, str(BENCH))
+    import gpu_quality
+
+    assert gpu_quality.main(["--device", "cpu", "--toy", "--jobs", "1",
+                             "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "recall_gpu.json").read_text())
+    assert sorted(r["mixer"] for r in res["results"]) == sorted(gpu_quality.MIXERS)
+    assert all(r["device"] == "cpu" and "cut_at" not in r for r in res["results"])
+    p = gpu_quality.plan(T=32, d=16, seeds=2, steps=10)
+    # hla2 runs two primitive stages where linear runs one; softmax is quadratic in T
+    mix = {m: r["mixer_gflop"] for m, r in p["per_mixer"].items()}
+    assert mix["hla2"] == pytest.approx(2 * mix["linear"]) and mix["softmax"] > 0
+    assert p["total_pflop"] > 0
+
+
+def test_recall_budget_cuts_runs_and_says_where(tmp_path: Path) -> None:
+    """A budget already spent: no run takes a step, each records cut_at 0, and the
+    grid still writes its figures (nothing is silently dropped)."""
+    _run([str(BENCH / "bench_recall.py"), "--quick", "--mixers", "linear,hla2", "--jobs", "1",
+          "--budget-s", "0", "--out", str(tmp_path)], tmp_path)
+    res = json.loads((tmp_path / "recall.json").read_text())
+    assert [r["cut_at"] for r in res["results"]] == [0, 0]
