@@ -15,6 +15,8 @@
   config    ``pretrain(cfg_container, datasets, model_type, forward,``       0.19+
             ``model_provider=None, ...)`` and ``gpt_config_from_args``
   ========  ==============================================================  =========
+* :func:`tokenizer`: Megatron's tokenizer, from ``get_tokenizer`` or whichever module
+  of this release builds it.
 """
 
 from __future__ import annotations
@@ -127,3 +129,27 @@ def tp_broadcast_batch(batch: dict[str, Any] | None, *, micro_batch_size: int, s
         torch.distributed.broadcast(t, src, group=group)
         out[key] = t
     return out
+
+
+def tokenizer(args: Any) -> Any:
+    """Megatron's tokenizer, wherever this version keeps it."""
+    from megatron import training
+
+    get = getattr(training, "get_tokenizer", None)
+    if get is not None:
+        try:
+            tok = get()
+        except Exception:  # newer versions assert instead of returning None
+            tok = None
+        if tok is not None:
+            return tok
+    for path in ("megatron.core.tokenizers.utils.build_tokenizer",
+                 "megatron.core.tokenizers.text.utils.build_tokenizer",
+                 "megatron.training.tokenizer.tokenizer"):
+        try:
+            mod = importlib.import_module(path)
+        except ImportError:
+            continue
+        if hasattr(mod, "build_tokenizer"):
+            return mod.build_tokenizer(args)
+    raise RuntimeError("no tokenizer builder found in this megatron version")

@@ -36,7 +36,7 @@ from functools import partial
 from typing import Any
 
 from hla_sp.megatron_patch.args import check_hla_args, hla_enabled
-from hla_sp.megatron_patch.compat import cp_split, pretrain_api, tp_broadcast_batch
+from hla_sp.megatron_patch.compat import cp_split, pretrain_api, tokenizer, tp_broadcast_batch
 from hla_sp.megatron_patch.hybrid import assert_hybrid_model, layer_pattern
 
 # Re-exported: the route and refusal helpers lived here before routing.py.
@@ -154,7 +154,7 @@ class Trainer:
         from hla_sp.megatron_patch.vocab import mask_padded_vocab
         from megatron.training import get_args
 
-        mask_padded_vocab(model, int(_tokenizer(get_args()).vocab_size))
+        mask_padded_vocab(model, int(tokenizer(get_args()).vocab_size))
         self._vocab_masked.add(id(model))
 
     # -- data --------------------------------------------------------------------------
@@ -173,7 +173,7 @@ class Trainer:
         candidates = dict(
             random_seed=args.seed, sequence_length=args.seq_length, blend=blend,
             blend_per_split=blend_per_split, split=args.split,
-            path_to_cache=getattr(args, "data_cache_path", None), tokenizer=_tokenizer(args),
+            path_to_cache=getattr(args, "data_cache_path", None), tokenizer=tokenizer(args),
             reset_position_ids=args.reset_position_ids,
             reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
             create_attention_mask=getattr(args, "create_attention_mask_in_dataloader", False),
@@ -204,7 +204,7 @@ class Trainer:
         from hla_sp.megatron_patch.documents import DocumentParams
 
         if self._eod is None:
-            self._eod = int(_tokenizer(args).eod)
+            self._eod = int(tokenizer(args).eod)
         return DocumentParams.from_tokens(tokens, self._eod)
 
     def get_batch(self, data_iterator: Any) -> tuple:
@@ -260,30 +260,6 @@ class Trainer:
         extra = {} if documents is None else {"packed_seq_params": documents}
         out = model(tokens, position_ids, attention_mask, labels=labels, **extra)
         return out, partial(self.loss_func, loss_mask)
-
-
-def _tokenizer(args: Any) -> Any:
-    """Megatron's tokenizer, wherever this version keeps it."""
-    from megatron import training
-
-    get = getattr(training, "get_tokenizer", None)
-    if get is not None:
-        try:
-            tok = get()
-        except Exception:  # newer versions assert instead of returning None
-            tok = None
-        if tok is not None:
-            return tok
-    for path in ("megatron.core.tokenizers.utils.build_tokenizer",
-                 "megatron.core.tokenizers.text.utils.build_tokenizer",
-                 "megatron.training.tokenizer.tokenizer"):
-        try:
-            mod = importlib.import_module(path)
-        except ImportError:
-            continue
-        if hasattr(mod, "build_tokenizer"):
-            return mod.build_tokenizer(args)
-    raise RuntimeError("no tokenizer builder found in this megatron version")
 
 
 def run(ns: argparse.Namespace, user_spec: Any = None) -> None:
