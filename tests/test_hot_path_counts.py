@@ -10,7 +10,7 @@ construction reads the host once). Counts are deterministic, so they are compare
 exactly.
 
 Also here: the agreement design's two late-mismatch scenarios (module docs of
-:mod:`hla_sp.parallel.config`): a rank that changes an option, or its documents, at a
+:mod:`hla_sp.parallel.engine`): a rank that changes an option, or its documents, at a
 later call raises the same ValueError on every rank instead of hanging.
 """
 

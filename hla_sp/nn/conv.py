@@ -112,7 +112,7 @@ def _gather_signed(plan: Plan, tails: torch.Tensor) -> torch.Tensor:
     """Every rank's tails [P, slots, B, W-1, C]. With the call's signature (a plan of
     :meth:`SequenceParallel.check_call` under check="auto"), one more slot carries it
     in the same all-gather, and every rank compares all ranks' words on the device
-    before the call's next collective (hla_sp.parallel.config explains why)."""
+    before the call's next collective (hla_sp.parallel.engine explains why)."""
     sig = getattr(plan, "signature", None)
     if (sig is None or tails[:1].numel() < SIGNATURE_WORDS
             or tails.dtype not in (torch.float32, torch.float64)):  # 21-bit words: exact

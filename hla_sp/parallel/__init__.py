@@ -5,7 +5,7 @@ local shard and gets its slice of the single-process result.
 """
 
 from hla_sp.parallel.comm import reset_traffic, traffic
-from hla_sp.parallel.config import METHODS, SequenceParallel
+from hla_sp.parallel.engine import METHODS, SequenceParallel
 from hla_sp.parallel.layouts import LAYOUTS, positions, shard, split_lengths
 from hla_sp.parallel.plan import Plan
 

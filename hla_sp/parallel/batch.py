@@ -18,17 +18,13 @@ what every call's agreement signature carries instead of hashing the offsets aga
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
 from hla_sp.ops.sharding import BatchPlan, bounds_digest, check_bounds, documents_bounds
-from hla_sp.parallel.agreement import gather_words, tensor_digest
-from hla_sp.parallel.layouts import layout_pieces
-
-if TYPE_CHECKING:
-    from hla_sp.parallel.config import SequenceParallel
+from hla_sp.parallel.agreement import gather_words
+from hla_sp.parallel.digests import tensor_digest
+from hla_sp.parallel.layouts import call_problems, layout_pieces
 
 
 def _row_device(group: dist.ProcessGroup, cu: torch.Tensor | None) -> torch.device:
@@ -39,10 +35,13 @@ def _row_device(group: dist.ProcessGroup, cu: torch.Tensor | None) -> torch.devi
     return cu.device if cu is not None and "nccl" not in backend else torch.device("cpu")
 
 
-def plan_batch(sp: SequenceParallel, T_local: int,
-               cu_seqlens: torch.Tensor | None = None) -> BatchPlan:
-    """The batch's plan on this rank (see :meth:`SequenceParallel.plan_batch`)."""
-    group = sp._group()
+def plan_batch(group: dist.ProcessGroup, layout: str, T_local: int,
+               cu_seqlens: torch.Tensor | None = None, *, gather: bool = True,
+               timeout_s: float | None = None) -> BatchPlan:
+    """The batch's plan on this rank of ``group`` under ``layout`` (see
+    :meth:`SequenceParallel.plan_batch`). ``gather``: compare the ranks' offsets and learn
+    their lengths by one all-gather (False only where the lengths follow from this
+    rank's: the zigzag layout, with the check off); ``timeout_s``: how long it waits."""
     rank, P = dist.get_rank(group), dist.get_world_size(group)
     if isinstance(T_local, bool) or not isinstance(T_local, int) or T_local < 0:
         raise ValueError(f"T_local: expected an int >= 0 (this rank's tokens), got {T_local!r}")
@@ -55,8 +54,7 @@ def plan_batch(sp: SequenceParallel, T_local: int,
             raise ValueError(f"cu_seqlens: expected a 1-D int32 or int64 tensor, got "
                              f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}")
         cu = cu_seqlens.detach()
-    known = sp.layout == "zigzag" or P == 1
-    if P == 1 or (known and sp.check == "never"):
+    if P == 1 or not gather:
         bounds = documents_bounds(cu)  # the one host read
         lengths = (T_local,) * P
     else:
@@ -66,7 +64,7 @@ def plan_batch(sp: SequenceParallel, T_local: int,
             else tensor_digest([cu.to(dev)])
         row = torch.cat([torch.tensor([T_local, n], dtype=torch.int64, device=dev),
                          digest.to(dev)[None]])
-        table = gather_words(row, group, P, "plan_batch", sp.check_timeout_s)
+        table = gather_words(row, group, P, "plan_batch", timeout_s)
         parts = [table.flatten()] + ([] if cu is None else [cu.to(dev, torch.int64)])
         words = torch.cat(parts).tolist()  # the one host read: the table and the offsets
         rows = [words[3 * r: 3 * r + 3] for r in range(P)]
@@ -78,12 +76,12 @@ def plan_batch(sp: SequenceParallel, T_local: int,
                              f"({len(bounds)},)")
     if bounds is not None:
         check_bounds(bounds, None)
-    problems = sp._call_problems(lengths, bounds)
+    problems = call_problems(layout, lengths, bounds)
     if problems:  # built from agreed facts: the same text on every rank
         raise ValueError("SequenceParallel.plan_batch: " + "; ".join(problems))
     return BatchPlan(T_local=T_local, T=sum(lengths), bounds=bounds,
                      digest=bounds_digest(bounds), rank=rank, lengths=lengths,
-                     layout=sp.layout, pieces=tuple(layout_pieces(sp.layout, list(lengths))),
+                     layout=layout, pieces=tuple(layout_pieces(layout, list(lengths))),
                      group=group)
 
 

@@ -104,3 +104,23 @@ def positions(rank: int, world_size: int, layout: str, lengths: list[int]) -> to
     mine = sorted((p for p in layout_pieces(layout, lengths) if p.owner == rank),
                   key=lambda p: p.slot)
     return torch.cat([torch.arange(p.start, p.end) for p in mine])
+
+
+def call_problems(layout: str, lengths: tuple[int, ...],
+                  bounds: tuple[int, ...] | None) -> list[str]:
+    """What is wrong with a call the ranks agree on: every rank's local length under
+    ``layout`` and the global document offsets (the same text on every rank)."""
+    problems = []
+    P, total = len(lengths), sum(lengths)
+    if bounds is not None and bounds[-1] != total:
+        problems.append(
+            f"cu_seqlens[-1] = {bounds[-1]} but the local lengths {list(lengths)} "
+            f"(ranks 0..{P - 1}) sum to {total}"
+        )
+    if total == 0:
+        problems.append("every rank's shard is empty (global T = 0)")
+    if layout == "zigzag" and (len(set(lengths)) != 1 or lengths[0] % 2):
+        problems.append(
+            f"zigzag layout needs the same even local T on every rank, got {list(lengths)}"
+        )
+    return problems

@@ -151,7 +151,7 @@ def sp_primitive(
         s, e = p.local_offset, p.local_offset + p.length
         views.append((qc[:, s:e], kc[:, s:e], vc[:, s:e], _part(gc, s, e)))
     # The call's signature rides in the summaries where every rank sees every piece
-    # (the all-gather; hla_sp.parallel.config explains the agreement design).
+    # (the all-gather; hla_sp.parallel.engine explains the agreement design).
     sig = getattr(plan, "signature", None) if plan.method == "allgather" else None
     call = _Call(
         plan, S.SummaryShape(B, H, K, v.shape[-1], signed=sig is not None), cdt, views,

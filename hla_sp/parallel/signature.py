@@ -1,7 +1,7 @@
 """The signature of a sequence-parallel call, and the plan that carries it.
 
 The agreement design (when the full check runs, why the signature rides in the first
-all-gather of a call) is in :mod:`hla_sp.parallel.config`.
+all-gather of a call) is in :mod:`hla_sp.parallel.engine`.
 """
 
 from __future__ import annotations
@@ -13,13 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from hla_sp.ops.validate import Inputs
-from hla_sp.parallel.agreement import (
-    decay_kind,
-    facts_hash,
-    is_plain,
-    option_tensors,
-    tensor_digest,
-)
+from hla_sp.parallel.agreement import is_plain, option_tensors
+from hla_sp.parallel.digests import decay_kind, facts_hash, tensor_digest
 from hla_sp.parallel.plan import Plan
 from hla_sp.parallel.summaries import SIGNATURE_MISMATCH
 
@@ -68,7 +63,7 @@ def call_signature(
     kind, constant = decay_kind(inputs.g)
     if min(lengths) < 2:
         # A shard of fewer than 2 tokens cannot tell a per-head constant from a per-token
-        # log_decay (agreement.decay_kind), so no rank hashes more than "given".
+        # log_decay (digests.decay_kind), so no rank hashes more than "given".
         kind, constant = int(inputs.g is not None), None
     host: list[object] = [
         op, inputs.B, inputs.H, inputs.K, inputs.V, str(inputs.q.dtype), layout,

@@ -15,7 +15,7 @@ With ``SummaryShape.signed`` the buffer also carries the call's signature, three
 of 21 bits (exact in fp32) just before the flag, D = BHKV + BH + 4: every rank's
 signature then rides in the exchange the math makes anyway, and where every rank sees
 every piece (the all-gather) :func:`exclusive_prefixes` compares them on the device
-(:func:`verify_signatures`; the agreement design is in :mod:`hla_sp.parallel.config`).
+(:func:`verify_signatures`; the agreement design is in :mod:`hla_sp.parallel.engine`).
 The signature words are constants: ⊕ keeps the later operand's, and they get no
 gradient.
 """

@@ -1,4 +1,5 @@
-"""``SequenceParallel``: the validated description of how a sequence is sharded.
+"""The sequence-parallel engine, ``SequenceParallel``: how a sequence is sharded over a
+group, the ranks' agreement on every call, and the primitive on a shard.
 
 **Agreement.** Every rank of the group must make the same call (shapes, dtype, layout,
 method, operator, scale, the log_decay kind and a per-head constant's values, each
@@ -74,7 +75,8 @@ if TYPE_CHECKING:
 from hla_sp.parallel.agreement import disagreements, gather_rows, metadata_row, named_options
 from hla_sp.parallel.batch import plan_batch
 from hla_sp.parallel.exchange import zero_of
-from hla_sp.parallel.layouts import LAYOUTS, layout_pieces
+from hla_sp.parallel.groups import member_group, resolve_group
+from hla_sp.parallel.layouts import LAYOUTS, call_problems, layout_pieces
 from hla_sp.parallel.plan import METHODS, Chain, Plan
 from hla_sp.parallel.primitive import sp_primitive
 from hla_sp.parallel.signature import SignedPlan, call_signature, decay_ok, recheck_mismatch
@@ -135,23 +137,7 @@ class SequenceParallel:
     _calls: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if _is_device_mesh(self.group):
-            self.group = _mesh_group(self.group, self.mesh_dim)
-        elif self.mesh_dim is not None:
-            raise ValueError("mesh_dim: only meaningful when group is a DeviceMesh")
-        if _non_member(self.group):
-            rank = dist.get_rank() if dist.is_initialized() else "?"
-            raise ValueError(
-                "SequenceParallel: group: expected a process group this process belongs to, "
-                "got torch.distributed.GroupMember.NON_GROUP_MEMBER, which new_group returns "
-                f"to the ranks it leaves out: this process (global rank {rank}) is not in "
-                "the group; build SequenceParallel on the group's ranks only"
-            )
-        if self.group is not None and not isinstance(self.group, dist.ProcessGroup):
-            raise TypeError(
-                f"group: expected a torch.distributed.ProcessGroup, a DeviceMesh or None, "
-                f"got {type(self.group).__name__}"
-            )
+        self.group = resolve_group(self.group, self.mesh_dim)
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout: expected one of {LAYOUTS}, got {self.layout!r}")
         if self.method not in METHODS:
@@ -165,23 +151,7 @@ class SequenceParallel:
             raise ValueError(f"check_timeout_s: expected a number > 0 or None, got {t!r}")
 
     def _group(self) -> dist.ProcessGroup:
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "SequenceParallel: torch.distributed is not initialized; call "
-                "torch.distributed.init_process_group first"
-            )
-        group = self.group if self.group is not None else dist.group.WORLD
-        if dist.get_rank(group) < 0:  # torch returns -1 (with a warning) for a non-member
-            try:
-                members = dist.get_process_group_ranks(group)
-            except (RuntimeError, ValueError):  # the rank knows nothing of the group
-                members = "unknown"
-            raise ValueError(
-                f"SequenceParallel: group: expected a process group this process belongs "
-                f"to (ranks {members}), got one without this process (global rank "
-                f"{dist.get_rank()})"
-            )
-        return group
+        return member_group(self.group)
 
     @property
     def rank(self) -> int:
@@ -230,7 +200,7 @@ class SequenceParallel:
                 self._agreed.add(op)
         else:
             lengths = (inputs.T,) * P if batch is None else batch.lengths
-            problems = self._call_problems(lengths, bounds)
+            problems = call_problems(self.layout, lengths, bounds)
             if problems:  # this rank's own shard: every rank with the same shard raises
                 raise ValueError("SequenceParallel: " + "; ".join(problems))
         signature = None  # a fully checked call needs none (every rank checked it)
@@ -277,7 +247,7 @@ class SequenceParallel:
                 + ("offsets only" if docs is not None else "no plan"))
         bounds = None if docs is None else docs.bounds
         lengths = (inputs.T,) * P if batch is None else batch.lengths
-        problems = self._call_problems(lengths, bounds)
+        problems = call_problems(self.layout, lengths, bounds)
         if problems:
             raise ValueError("SequenceParallel: " + "; ".join(problems))
         signature = None
@@ -305,7 +275,9 @@ class SequenceParallel:
         length and the layout's pieces as Python ints; it costs at most one all-gather
         and one host read (:mod:`hla_sp.parallel.batch`), and every rank must build it.
         """
-        return plan_batch(self, T_local, cu_seqlens)
+        return plan_batch(self._group(), self.layout, T_local, cu_seqlens,
+                          gather=not (self.check == "never" and self.layout == "zigzag"),
+                          timeout_s=self.check_timeout_s)
 
     def _batch_plan(self, docs: BatchPlan | None, group: dist.ProcessGroup, rank: int,
                     P: int) -> BatchPlan | None:
@@ -333,7 +305,7 @@ class SequenceParallel:
         table = gather_rows(row, group, P, op, self.check_timeout_s)
         lengths = tuple(r[-1] for r in table)
         names = [n for n, _ in named]
-        problems = disagreements(table, names) or self._call_problems(lengths, bounds)
+        problems = disagreements(table, names) or call_problems(self.layout, lengths, bounds)
         bad = [r for r, row in enumerate(table) if row[-2] == 0]
         if not problems and bad:
             problems = [f"log_decay: expected values <= 0 (gamma = exp(log_decay) <= 1), "
@@ -345,25 +317,6 @@ class SequenceParallel:
                 + "; ".join(problems)
             )
         return lengths
-
-    def _call_problems(
-        self, lengths: tuple[int, ...], bounds: tuple[int, ...] | None
-    ) -> list[str]:
-        """What is wrong with a call the ranks agree on (same text on every rank)."""
-        problems = []
-        P, total = len(lengths), sum(lengths)
-        if bounds is not None and bounds[-1] != total:
-            problems.append(
-                f"cu_seqlens[-1] = {bounds[-1]} but the local lengths {list(lengths)} "
-                f"(ranks 0..{P - 1}) sum to {total}"
-            )
-        if total == 0:
-            problems.append("every rank's shard is empty (global T = 0)")
-        if self.layout == "zigzag" and (len(set(lengths)) != 1 or lengths[0] % 2):
-            problems.append(
-                f"zigzag layout needs the same even local T on every rank, got {list(lengths)}"
-            )
-        return problems
 
     def primitive(
         self,
@@ -403,35 +356,3 @@ class SequenceParallel:
         except RuntimeError as e:
             recheck_mismatch(plan, e)
             raise
-
-
-def _is_device_mesh(x: object) -> bool:
-    try:
-        from torch.distributed.device_mesh import DeviceMesh
-    except ImportError:  # a torch without DeviceMesh: nothing can be one
-        return False
-    return isinstance(x, DeviceMesh)
-
-
-def _non_member(group: object) -> bool:
-    """True for the marker torch.distributed gives a rank outside a new group (an int)."""
-    marker = getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", None)
-    return (marker is not None and isinstance(group, int) and not isinstance(group, bool)
-            and group == marker)
-
-
-def _mesh_group(mesh: DeviceMesh, dim: str | int | None) -> dist.ProcessGroup:
-    """The process group of one dimension of ``mesh`` (its only one when 1-D)."""
-    names = mesh.mesh_dim_names or ()
-    if dim is None:
-        if mesh.ndim != 1:
-            raise ValueError(
-                f"mesh_dim: a {mesh.ndim}-D DeviceMesh (dimensions {names or mesh.ndim}) needs "
-                f"the context-parallel dimension, e.g. mesh_dim='cp', or pass mesh['cp']"
-            )
-        return mesh.get_group()
-    if isinstance(dim, str) and dim not in names:
-        raise ValueError(f"mesh_dim: {dim!r} is not a dimension of the mesh; it has {names}")
-    if isinstance(dim, int) and not 0 <= dim < mesh.ndim:
-        raise ValueError(f"mesh_dim: expected 0 <= mesh_dim < {mesh.ndim}, got {dim}")
-    return mesh.get_group(dim)
