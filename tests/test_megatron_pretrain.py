@@ -9,7 +9,10 @@ sitecustomize lets Megatron run without CUDA (a test helper, not part of hla_sp)
 Checked for the <= 0.17 API (0.17.1) and the newest (0.19.2): the HLA check passes;
 CP = 2 reproduces CP = 1's losses within 1e-5; a softmax run of the same model gives
 other losses; a hybrid stack trains at CP = 1. On 0.19.2 also TP = 2 x CP = 2 (4 ranks);
-on 0.18.0 (its own pretrain API) CP = 2 against CP = 1.
+on 0.18.0 (its own pretrain API) CP = 2 against CP = 1. On 0.19.2 also
+``--reset-attention-mask`` (each document's logits independent of the documents before
+it, at CP = 1 and 2) and a padded vocabulary (-inf logits at the padding ids), read from
+the logits the test shim records (``HLA_SP_TEST_LOGITS``).
 
 Without the environment these tests skip, except under CI (``CI`` set and not
 "false"/"0"), where they fail: CI must run them.
