@@ -329,7 +329,8 @@ class Trainer:
         head = (f"non-finite {what} at iteration {it}: stopped before the optimizer step, "
                 f"nothing saved")
         where = None
-        good = checkpoint.newest_finite(cfg.save) if cfg.save else None
+        # not one past this iteration (left by a run this one resumed before)
+        good = checkpoint.newest_finite(cfg.save, self.iteration) if cfg.save else None
         if good is not None:
             where = (cfg.save, good)
         elif self.resumed_from is not None and cfg.load:

@@ -170,3 +170,26 @@ def test_every_rank_refuses_when_one_rank_finds_the_bad_file(
     _flip(bad)
     got = world(2).run(_verify_on, str(d), 6)  # type: ignore[operator]
     assert got[0] == got[1] and got[0].startswith(f"{bad}: sha256 "), got
+
+
+def test_resume_of_a_corrupt_checkpoint_is_refused_in_one_line(tmp_path: Path) -> None:
+    """The issue's case end to end: one flipped byte in a shard, resumed under torchrun
+    (2 ranks): one line naming the shard, from the run, and a non-zero exit."""
+    from hla_sp.launch.config import parse_args
+    from hla_sp.launch.local import run_local
+    from hla_sp.launch.train import run
+
+    tiny = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "32", "--lr", "3e-3", "--seed", "7", "--micro-batch-size", "2"]
+    ck = tmp_path / "ck"
+    run(parse_args([*tiny, "--train-iters", "2", "--save", str(ck)]), exit_on_error=False)
+    shard = ck / "iter_0000002" / "model_optim" / "__0_0.distcp"
+    _flip(shard)
+    out = run_local([*tiny, "--context-parallel-size", "2", "--train-iters", "4",
+                     "--load", str(ck), "--save", str(ck), "--use-checkpoint-opt_param-scheduler"],
+                    2, str(tmp_path / "m.jsonl"),
+                    timeout=300)  # fmt: skip
+    assert out.returncode != 0 and out.records == [], out.output[-3000:]
+    lines = [x for x in out.output.splitlines() if "sha256" in x]
+    assert len(lines) == 1 and lines[0].startswith(f"hla-sp train: error: {shard}: sha256 "), \
+        out.output[-3000:]

@@ -50,11 +50,15 @@ _BLOCK = 4 << 20
 _HINT = "resume from another iteration with --ckpt-step"
 
 
-def digest(path: str, algorithm: str = ALGORITHM) -> tuple[int, str]:
-    """(size in bytes, hex digest) of one file, read in 4 MiB blocks."""
+def digest(path: str, algorithm: str | None = None) -> tuple[int, str]:
+    """(size in bytes, hex digest) of one file, read in 4 MiB blocks; ``algorithm`` is
+    a hashlib name or ``crc32`` (zlib's), default :data:`ALGORITHM`."""
     import hashlib
+    import zlib
 
-    h = hashlib.new(algorithm)
+    algorithm = algorithm or ALGORITHM
+    h = None if algorithm == "crc32" else hashlib.new(algorithm)
+    crc = 0
     size = 0
     buf = bytearray(_BLOCK)
     view = memoryview(buf)
@@ -63,9 +67,12 @@ def digest(path: str, algorithm: str = ALGORITHM) -> tuple[int, str]:
             n = f.readinto(buf)
             if not n:
                 break
-            h.update(view[:n])
+            if h is None:
+                crc = zlib.crc32(view[:n], crc)
+            else:
+                h.update(view[:n])
             size += n
-    return size, h.hexdigest()
+    return size, f"{crc:08x}" if h is None else h.hexdigest()
 
 
 def rank_files(d: str, rank: int) -> list[str]:
@@ -84,7 +91,7 @@ def digest_files(d: str, names: list[str]) -> dict[str, dict[str, Any]]:
     """``{relative path: {"size", "sha256"}}`` for ``names`` under ``d``."""
     out = {}
     for name in names:
-        size, hexdigest = digest(os.path.join(d, name))
+        size, hexdigest = digest(os.path.join(d, name), ALGORITHM)
         out[name.replace(os.sep, "/")] = {"size": size, ALGORITHM: hexdigest}
     return out
 
@@ -141,10 +148,11 @@ def is_finite(d: str) -> bool | None:
     return None if body is None or "finite" not in body else bool(body["finite"])
 
 
-def newest_finite(root: str) -> int | None:
-    """The newest complete checkpoint under ``root`` not recorded as non-finite."""
+def newest_finite(root: str, at_most: int | None = None) -> int | None:
+    """The newest complete checkpoint under ``root`` (at iteration ``at_most`` or before)
+    not recorded as non-finite."""
     for it in reversed(complete_iterations(root)):
-        if is_finite(iter_dir(root, it)) is not False:
+        if (at_most is None or it <= at_most) and is_finite(iter_dir(root, it)) is not False:
             return it
     return None
 
