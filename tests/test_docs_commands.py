@@ -44,7 +44,9 @@ def _commands(doc: str, start: str) -> list[list[str]]:
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
     d = tmp_path_factory.mktemp("docdata")
-    (d / "a.txt").write_text("hello world, " * 400)
+    # two samples of the documented million-token runs (2 x 1,048,577 tokens): the
+    # launcher checks that the training and the validation split each hold one
+    (d / "a.txt").write_text("hello world, " * 162_000)
     prefix = str(d / "corpus_text_document")
     subprocess.run([HLA_SP, "make-dataset", "--input", str(d / "a.txt"), "--output-prefix",
                     prefix], check=True, capture_output=True, env=_env(None))
