@@ -10,11 +10,8 @@ Each optimizer step:
    group gives exactly the single-process gradient;
 3. gradients are all-reduced over DP x CP, clipped by the global norm (TP-aware), and
    AdamW steps with Megatron's warmup + cosine scheduler;
-4. unless --no-check-for-nan-in-loss-and-grad, a non-finite loss or gradient norm stops
-   the run before the optimizer steps (Megatron's --check-for-nan-in-loss-and-grad):
-   :class:`NonFiniteError`, raised on every rank alike (both values are global), with
-   nothing stepped, saved or pruned. An fp16 overflow is the loss scaler's skip, not a
-   stop.
+4. a non-finite loss or gradient norm stops the run before the optimizer steps, on
+   every rank alike (:mod:`hla_sp.launch.nonfinite`); an fp16 overflow stays a skip.
 
 :func:`hla_sp.launch.train.run` builds it inside a process group (under torchrun, and
 in each worker of the Ray sweep).
@@ -22,7 +19,6 @@ in each worker of the Ray sweep).
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Callable
@@ -34,6 +30,7 @@ from hla_sp.launch import checkpoint, faults, metrics, signals
 from hla_sp.launch.config import TrainConfig, split_weights
 from hla_sp.launch.data import build_samples, infer_vocab_size, microbatches
 from hla_sp.launch.distributed import Topology
+from hla_sp.launch.nonfinite import NonFiniteError, checkpoint_finite, non_finite, stop_line
 from hla_sp.launch.precision import LossScaler, MasterWeights
 
 
@@ -47,21 +44,6 @@ def _param_groups(masters: MasterWeights, weight_decay: float) -> list[dict[str,
         {"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0},
         {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0},
     ]
-
-
-class NonFiniteError(RuntimeError):
-    """The loss or the gradient norm was NaN or infinite; the message is the run's one
-    line: the iteration, the value, and the checkpoint to resume from."""
-
-
-def non_finite(loss: float, grad_norm: float, skipped: bool) -> str:
-    """What was not finite in a step ("loss (nan)", "grad-norm (inf)", both), or "". The
-    gradients of an fp16 step the loss scaler skipped are its to handle (an overflow is
-    a skip, not a stop); its loss is checked as any other, as Megatron does."""
-    bad = [f"loss ({loss})"] if not math.isfinite(loss) else []
-    if not skipped and not math.isfinite(grad_norm):
-        bad.append(f"grad-norm ({grad_norm})")
-    return " and ".join(bad)
 
 
 class Trainer:
@@ -287,7 +269,7 @@ class Trainer:
         loss = loss_total / max(total_tokens, 1.0)
         bad = non_finite(loss, grad_norm, skipped) if cfg.check_for_nan_in_loss_and_grad else ""
         if bad:
-            raise NonFiniteError(self._non_finite_line(bad))
+            raise NonFiniteError(stop_line(cfg, self.iteration, self.resumed_from, bad))
         if not skipped:
             self.optimizer.step()
             self.masters.copy_to_model()
@@ -323,42 +305,12 @@ class Trainer:
             **({"loss_scale": scale, "skipped": skipped} if self.scaler is not None else {}),
         }
 
-    def _non_finite_line(self, what: str) -> str:
-        """The stop's one line: where, what, and the checkpoint to go back to."""
-        cfg, it = self.cfg, self.iteration + 1
-        head = (f"non-finite {what} at iteration {it}: stopped before the optimizer step, "
-                f"nothing saved")
-        where = None
-        # not one past this iteration (left by a run this one resumed before)
-        good = checkpoint.newest_finite(cfg.save, self.iteration) if cfg.save else None
-        if good is not None:
-            where = (cfg.save, good)
-        elif self.resumed_from is not None and cfg.load:
-            where = (cfg.load, self.resumed_from)
-        if where is None:
-            return (f"{head}; no finite checkpoint to resume from (lower --lr, or "
-                    f"--no-check-for-nan-in-loss-and-grad to train on regardless)")
-        return (f"{head}; the last finite checkpoint is iteration {where[1]} in {where[0]}: "
-                f"resume with --load {where[0]} --ckpt-step {where[1]} (lower --lr, or "
-                f"--no-check-for-nan-in-loss-and-grad to train on regardless)")
-
-    def _weights_finite(self) -> bool:
-        """Every rank's weights (fp32 masters) finite: one reduction, read once."""
-        ok = torch.stack([torch.isfinite(m).all() for m in self.masters.main]).all()
-        flag = ok.to(torch.int32).reshape(1)
-        if dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
-
     def save(self, last: dict[str, Any] | None = None) -> str:
         """Write this iteration's checkpoint; ``last`` is its record, whose loss (and
         gradient norm, unless an fp16 skip) must be finite, like the weights, for the
         checkpoint to count as finite (what --keep-last never deletes)."""
         cfg = self.cfg
-        finite = self._weights_finite()
-        if last is not None:
-            finite = finite and math.isfinite(last["loss"]) and (
-                last.get("skipped", False) or math.isfinite(last["grad_norm"]))
+        finite = checkpoint_finite(self.masters.main, last)
         # the checkpoint this run resumed from stays, when it lives in --save
         same = (cfg.load is not None and cfg.save is not None and os.path.isdir(cfg.load)
                 and os.path.isdir(cfg.save) and os.path.samefile(cfg.load, cfg.save))

@@ -123,7 +123,7 @@ def test_keep_last_never_deletes_the_newest_finite_or_the_loaded_checkpoint(
 
 
 def test_the_check_names_the_value_and_leaves_fp16_overflows_to_the_scaler() -> None:
-    from hla_sp.launch.trainer import non_finite
+    from hla_sp.launch.nonfinite import non_finite
 
     nan, inf = float("nan"), float("inf")
     assert non_finite(5.0, 2.0, skipped=False) == ""
