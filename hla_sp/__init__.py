@@ -1,31 +1,17 @@
-"""hla-sp: Higher-order Linear Attention with exact sequence parallelism."""
+"""hla-sp: Higher-order Linear Attention with exact sequence parallelism.
 
-from hla_sp.ops import (
-    AHLAState,
-    CCQState,
-    HLA2State,
-    HLA3State,
-    ahla,
-    ccq,
-    hla2,
-    hla3,
-    linear_attention,
-)
+The operators (``hla_sp.hla2``, ``hla_sp.ahla``, ``hla_sp.hla3``, ``hla_sp.ccq``,
+``hla_sp.linear_attention``, every built-in of the operator table) and their state
+types are exported here from :mod:`hla_sp.ops`.
+"""
+
+from hla_sp import ops as _ops
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AHLAState",
-    "CCQState",
-    "HLA2State",
-    "HLA3State",
-    "SequenceParallel",
-    "ahla",
-    "ccq",
-    "hla2",
-    "hla3",
-    "linear_attention",
-]
+globals().update(_ops.BUILTINS)
+
+__all__ = sorted([*_ops.BUILTINS, "SequenceParallel"])
 
 
 def __getattr__(name: str):

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 
 import hla_sp
+from hla_sp.config import BUILTIN_OPERATORS
+from hla_sp.ops import operators
 from hla_sp.ops import reference as R
 
 
@@ -21,7 +23,7 @@ class Op:
     name: str
     fast: Callable  # (q, k, v, g, init, want_final, chunk, **kw) -> (o, tuple | None)
     recurrent: Callable  # (q, k, v, g, init) -> (o, tuple)
-    naive: Callable  # (q, k, v, g) -> o
+    naive: Callable  # (q, k, v, g) -> o: the quadratic form, or the recurrence without one
     state_shapes: Callable[[int, int, int, int], list[tuple[int, ...]]]  # (N, H, K, V)
     positive: bool = False  # needs q.k >= 0 inputs (normalize's denominator)
 
@@ -55,74 +57,61 @@ def _fast(fn, **opts):
     return run
 
 
-def _rec_la(q, k, v, g, init=None):
-    o, h = R.recurrent_linear_attention(q, k, v, g, initial_state=None if init is None else init[0])
-    return o, (h,)
+def _recurrence(spec, **opts):
+    """The table's serial recurrence of ``spec`` as (q, k, v, g, init) -> (o, tuple)."""
 
-
-def _rec_hla2(**opts):
     def run(q, k, v, g, init=None):
-        o, st = R.recurrent_hla2(q, k, v, g, initial_state=init, **opts)
-        return o, tuple(x for x in st if x is not None)
+        if init is not None and spec.bare_state:
+            init = init[0]
+        o, st = spec.reference(q, k, v, g, initial_state=init, **opts)
+        return o, _as_tuple(st) if spec.bare_state else tuple(x for x in st if x is not None)
 
     return run
 
 
-def _kv(N, H, K, V):
-    return [(N, H, K, V)]
+def _shapes(spec, **opts):
+    """The state's field shapes (N, H, K, V) -> list, for these options (the table's)."""
+    on = dict(opts)
+
+    def shapes(N, H, K, V):
+        dims = {"K": K, "V": V}
+        return [(N, H, *(dims[d] for d in f.dims)) for f in spec.fields
+                if f.when is None or on.get(f.when)]
+
+    return shapes
 
 
-OPS = [
-    Op(
-        "linear",
-        _fast(hla_sp.linear_attention),
-        _rec_la,
-        lambda q, k, v, g: R.naive_linear_attention(q, k, v, g)[0],
-        _kv,
-    ),
-    Op(
-        "hla2",
-        _fast(hla_sp.hla2),
-        _rec_hla2(),
-        lambda q, k, v, g: R.naive_hla2(q, k, v, g),
-        lambda N, H, K, V: [(N, H, K, K), (N, H, K, V)],
-    ),
-    Op(
-        "hla2_ridge",
-        _fast(hla_sp.hla2, ridge=0.5),
-        _rec_hla2(ridge=0.5),
-        lambda q, k, v, g: R.naive_hla2(q, k, v, g, ridge=0.5),
-        lambda N, H, K, V: [(N, H, K, K), (N, H, K, V)],
-    ),
-    Op(
-        "hla2_norm",
-        _fast(hla_sp.hla2, normalize=True),
-        _rec_hla2(normalize=True),
-        lambda q, k, v, g: R.naive_hla2(q, k, v, g, normalize=True),
-        lambda N, H, K, V: [(N, H, K, K), (N, H, K, V), (N, H, K)],
-        positive=True,
-    ),
-    Op(
-        "ahla",
-        _fast(hla_sp.ahla),
-        lambda q, k, v, g, init=None: R.recurrent_ahla(q, k, v, g, initial_state=init),
-        lambda q, k, v, g: R.naive_ahla(q, k, v, g),
-        lambda N, H, K, V: [(N, H, K, V), (N, H, K, V)],
-    ),
-    Op(
-        "hla3",
-        _fast(hla_sp.hla3),
-        lambda q, k, v, g, init=None: R.recurrent_hla3(q, k, v, g, initial_state=init),
-        lambda q, k, v, g: R.naive_hla3(q, k, v, g),
-        lambda N, H, K, V: [(N, H, K, K), (N, H, K, V), (N, H, K, V)],
-    ),
-    Op(
-        "ccq",
-        _fast(hla_sp.ccq),
-        lambda q, k, v, g, init=None: R.recurrent_ccq(q, k, v, g, initial_state=init),
-        lambda q, k, v, g: R.naive_ccq(q, k, v, g),
-        lambda N, H, K, V: [(N, H, K, K), (N, H, K, V)],
-    ),
+# The naive quadratic forms, where one is written (an operator without one is checked
+# against its recurrence in their place).
+NAIVE = {
+    "linear": lambda q, k, v, g, **o: R.naive_linear_attention(q, k, v, g)[0],
+    "hla2": R.naive_hla2,
+    "ahla": R.naive_ahla,
+    "hla3": R.naive_hla3,
+    "ccq": R.naive_ccq,
+}
+
+
+def _op(name: str, base: str, positive: bool = False, **opts) -> Op:
+    spec = operators.get(base)
+    naive = NAIVE.get(base)
+    rec = _recurrence(spec, **opts)
+    return Op(
+        name,
+        _fast(spec.public, **opts),
+        rec,
+        (lambda q, k, v, g: rec(q, k, v, g)[0]) if naive is None
+        else (lambda q, k, v, g: naive(q, k, v, g, **opts)),
+        _shapes(spec, **opts),
+        positive=positive,
+    )
+
+
+# Every built-in operator of the table (a new one is covered at once), then hla2's
+# options.
+OPS = [_op(n, n) for n in BUILTIN_OPERATORS] + [
+    _op("hla2_ridge", "hla2", ridge=0.5),
+    _op("hla2_norm", "hla2", positive=True, normalize=True),
 ]
 OPS_BY_NAME = {op.name: op for op in OPS}
 

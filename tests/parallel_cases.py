@@ -13,15 +13,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import hla_sp
+from hla_sp.config import BUILTIN_OPERATORS
+from hla_sp.ops import table
+from hla_sp.ops.runner import run_operator
 from hla_sp.parallel import SequenceParallel, positions, shard, split_lengths
 
-OPS = {
-    "la": hla_sp.linear_attention,
-    "hla2": hla_sp.hla2,
-    "ahla": hla_sp.ahla,
-    "hla3": hla_sp.hla3,
-}
+# Every built-in operator of the table: a new one is in every case matrix at once.
+OPS = tuple(BUILTIN_OPERATORS)
 # fp32 acceptance: the sharded fp32 result's distance to the fp64 truth is at most
 # FP32_FACTOR times the single-process fp32 result's distance (+ a floor for the
 # cases where the single-process error happens to be ~0). The sharded path sums the
@@ -40,9 +38,10 @@ def case(op: str, **kw: Any) -> dict:
     return c
 
 
-def _state_fields(op: str, normalize: bool) -> list[str]:
-    return {"la": ["h"], "hla2": ["S", "H"] + (["eta"] if normalize else []),
-            "ahla": ["C", "H"], "hla3": ["S", "C", "H"]}[op]
+def _fields(op: str, normalize: bool) -> list[table.Field]:
+    """The operator's state fields present for these options (the table's)."""
+    on = {"normalize": normalize}
+    return [f for f in table.get(op).fields if f.when is None or on.get(f.when)]
 
 
 def _inputs(c: dict, dtype: torch.dtype) -> dict:
@@ -55,14 +54,15 @@ def _inputs(c: dict, dtype: torch.dtype) -> dict:
     elif c["decay"] == "token":
         x["g"] = -torch.rand(B, T, H, generator=gen, dtype=torch.float64) * 0.7
     N = B if c["cu"] is None else len(c["cu"]) - 1
-    shapes = {"h": (N, H, K, V), "S": (N, H, K, K), "C": (N, H, K, V), "H": (N, H, K, V),
-              "eta": (N, H, K)}
-    fields = _state_fields(c["op"], c["normalize"])
-    x["h0"] = [r(*shapes[f]) * 0.5 for f in fields] if c["h0"] else None
-    if x["h0"] is not None and "S" in fields:  # a key moment is symmetric (S = sum k k^T)
-        i = fields.index("S")
+    dims = {"K": K, "V": V}
+    fields = _fields(c["op"], c["normalize"])
+    shapes = [(N, H, *(dims[d] for d in f.dims)) for f in fields]
+    x["h0"] = [r(*shape) * 0.5 for shape in shapes] if c["h0"] else None
+    names = [f.name for f in fields]
+    if x["h0"] is not None and "S" in names:  # a key moment is symmetric (S = sum k k^T)
+        i = names.index("S")
         x["h0"][i] = (x["h0"][i] + x["h0"][i].mT) / 2
-    x["wf"] = [r(*shapes[f]) for f in fields]
+    x["wf"] = [r(*shape) for shape in shapes]
     return {k: (None if v is None else [t.to(dtype) for t in v] if isinstance(v, list)
                 else v.to(dtype)) for k, v in x.items()}
 
@@ -86,15 +86,15 @@ def _call(c: dict, x: dict, *, sp, rank: int, P: int):
     if c["cu"] is not None:
         kw["cu_seqlens"] = torch.tensor(c["cu"], dtype=torch.int64)
     if h0 is not None:
-        kw["initial_state"] = h0[0] if c["op"] == "la" else tuple(h0)
-    if c["op"] == "hla2":
+        kw["initial_state"] = tuple(h0)
+    if "normalize" in table.get(c["op"]).options:
         kw.update(normalize=c["normalize"], ridge=c["ridge"])
-    o, fin = OPS[c["op"]](leaves["q"], leaves["k"], leaves["v"], **kw)
+    o, fin = run_operator(c["op"], leaves["q"], leaves["k"], leaves["v"], **kw)
     w = x["w"] if sp is None else shard(x["w"], rank, P, c["layout"], lengths=lengths)
     loss = (o.double() * w.double()).sum()
     finals = []
     if c["final"]:
-        finals = [fin] if c["op"] == "la" else [t for t in fin if t is not None]
+        finals = [t for t in fin if t is not None]
         # The global loss is the sum of the ranks' losses: weight each rank's use of
         # the replicated final state so that the weights sum to one.
         share = 1.0 if sp is None else (rank + 1) / (P * (P + 1) / 2)

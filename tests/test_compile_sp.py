@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hla_sp.config import BUILTIN_OPERATORS
 from hla_sp.testing import RemoteError
 
 T, D = 32, 16
@@ -103,6 +104,9 @@ CASES = [
     pytest.param("hla2", "contiguous", [7, 0, 25], True, False, marks=_SLOW),  # empty shard
     pytest.param("linear", "contiguous", [10, 6, 9, 7], False, True, marks=_SLOW),
 ]
+# Every other built-in operator of the table, with documents and a carried state.
+CASES += [(op, "zigzag", None, True, True) for op in BUILTIN_OPERATORS
+          if op not in {getattr(c, "values", c)[0] for c in CASES}]
 
 
 def _case_id(c: object) -> str:

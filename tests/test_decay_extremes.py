@@ -149,12 +149,10 @@ def test_sequence_parallel_exact(world):
     """Two ranks: the huge decay sits mid-chunk in rank 0's shard, so it enters rank 0's
     summary, the cross-rank carry and its backward (fp64 to 1e-10, fp32 within the
     single-process error, as tests/test_parallel_ops.py)."""
-    from parallel_cases import case
+    from parallel_cases import OPS, case
 
     cases = []
-    for i, (name, value) in enumerate(
-        (n, x) for n in ("la", "hla2", "ahla", "hla3") for x in EXTREMES
-    ):
+    for i, (name, value) in enumerate((n, x) for n in OPS for x in EXTREMES):
         method = SP_METHODS[i % len(SP_METHODS)]
         for dtype in ("float64", "float32"):
             cases.append(case(name, T=24, chunk=8, decay="token", h0=True, final=True,

@@ -156,9 +156,10 @@ def test_spec_route_through_megatrons_importer():
     from hla_sp.megatron_patch.specs import is_hla_builder
     from megatron.core.transformer.spec_utils import import_module
 
-    for name, op in (("hla2_layer_spec", "hla2"), ("ahla_layer_spec", "ahla"),
-                     ("hla3_layer_spec", "hla3")):
-        spec = import_module(("hla_sp.megatron_patch.specs", name))
+    from hla_sp.config import HLA_OPERATORS
+
+    for op in HLA_OPERATORS:  # every higher-order operator of the table has its spec
+        spec = import_module(("hla_sp.megatron_patch.specs", f"{op}_layer_spec"))
         core = spec.submodules.self_attention.submodules.core_attention
         assert is_hla_builder(core) and core.params["operator"] == op
 

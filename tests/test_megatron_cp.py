@@ -21,6 +21,8 @@ import warnings
 import pytest
 import torch
 
+from hla_sp.config import HLA_OPERATORS
+
 megatron_core = pytest.importorskip("megatron.core")
 VOCAB, T = 64, 48
 
@@ -138,6 +140,9 @@ CASES = {
     "mqa-ahla-none": dict(operator="ahla", groups=1, decay="none", thd=False),
     "thd-gqa-hla2-fixed": dict(operator="hla2", groups=2, decay="fixed", thd=True),
 }
+# Every other higher-order operator of the table, grouped, at CP = 2.
+CASES.update({f"gqa-{op}-learned": dict(operator=op, groups=2, decay="learned", thd=False)
+              for op in HLA_OPERATORS if op not in {c["operator"] for c in CASES.values()}})
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import torch
 
 from hla_sp import HLA2State, hla2
 from hla_sp.nn import DECAYS, OPERATORS, HLAHeads, HLAttention, retnet_log_decay
-from hla_sp.ops import LinearState, run_operator
+from hla_sp.ops import LinearState, operators, run_operator
 
 F64 = torch.float64
 
@@ -24,12 +24,13 @@ def _inputs(B=2, T=37, Hq=6, Hkv=2, K=5, V=4, seed=0, dtype=F64):
 
 
 def _options(op):
-    return dict(normalize=True, ridge=0.3) if op == "hla2" else {}
+    return dict(normalize=True, ridge=0.3) if "normalize" in operators.get(op).options else {}
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["batch", "varlen"])
 @pytest.mark.parametrize(("op", "mixed"), [(op, False) for op in OPERATORS]
-                         + [(op, True) for op in ("hla2", "ahla", "hla3")],
+                         + [(op, True) for op in OPERATORS
+                            if operators.get(op).key_mix or operators.get(op).value_mix],
                          ids=lambda x: {True: "first-order", False: "pure"}.get(x, x))
 def test_gqa_shared_state_equals_per_head(op, packed, mixed):
     """S (and C, h) computed once per group equals the per-head computation on
@@ -39,7 +40,9 @@ def test_gqa_shared_state_equals_per_head(op, packed, mixed):
     G = q.shape[2] // k.shape[2]
     if mixed:
         w = torch.linspace(-1.0, 2.0, q.shape[2], dtype=F64)
-        mix = {"key_mix": w if op != "ahla" else None, "value_mix": -w if op != "hla2" else None}
+        spec = operators.get(op)
+        mix = {"key_mix": w if spec.key_mix else None,
+               "value_mix": -w if spec.value_mix else None}
     else:
         mix = {}
     leaves = [t.clone().requires_grad_() for t in (q, k, v, a)]

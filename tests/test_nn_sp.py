@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hla_sp.config import BUILTIN_OPERATORS
+
 T = 40
 
 
@@ -94,6 +96,9 @@ CASES = [
     ("ahla", "learned", "zigzag", None, False, False),
     ("hla2", "fixed", "contiguous", [2, 1, 0, 37], False, True),  # shards shorter than W-1
 ]
+# Every other built-in operator of the table, in one case with documents and a state.
+CASES += [(op, "learned", "zigzag", None, True, True) for op in BUILTIN_OPERATORS
+          if op not in {c[0] for c in CASES}]
 
 
 @pytest.mark.parametrize(("op", "decay", "layout", "lengths", "packed", "carried"), CASES,

@@ -13,11 +13,10 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from parallel_cases import case, run_cases
+from parallel_cases import OPS, case, run_cases
 
 from hla_sp.config import SP_METHODS
 
-OPS = ("la", "hla2", "ahla", "hla3")
 METHODS = SP_METHODS
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -79,7 +78,7 @@ def test_matches_single_process(world, P: int) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_matches_single_process_8_ranks(world) -> None:
-    cases = [c for c in matrix(8, T=48) if c["op"] in ("la", "hla2")]
+    cases = [c for c in matrix(8, T=48) if c["op"] in ("linear", "hla2")]
     errors = world(8).run(run_cases, cases, timeout=800)
     flat = [e for rank_errors in errors for e in rank_errors]
     assert not flat, "\n".join(flat[:20])

@@ -109,12 +109,14 @@ def primitive(
     want_final: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     sp: SequenceParallelism | None = None,
-    plan: Any = None,
+    call: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`local_primitive`, or its sequence-parallel form when ``sp`` is given.
 
     Under ``sp`` each rank passes its shard; ``cu_seqlens`` and ``h0`` are global, and
-    ``plan`` is what ``sp.check_call`` returned for the call this stage belongs to.
+    ``call`` is the call's plan, what ``sp.check_call`` returned for the operator call
+    this stage belongs to (not the batch's plan, which the public functions take as
+    ``plan=``).
     """
     if sp is None:
         return local_primitive(
@@ -122,5 +124,5 @@ def primitive(
         )
     return sp.primitive(
         q, k, v, g, cu_seqlens=cu_seqlens, h0=h0, want_final=want_final,
-        chunk_size=chunk_size, plan=plan,
+        chunk_size=chunk_size, call=call,
     )

@@ -67,7 +67,7 @@ class _Stages:
 
     def _primitive(self, q, k, v, g, h0, cu, plan):
         return primitive(q, k, v, g, cu_seqlens=cu, h0=h0, want_final=self.want_final,
-                         chunk_size=self.chunk_size, sp=self.sp, plan=plan)
+                         chunk_size=self.chunk_size, sp=self.sp, call=plan)
 
     def per_head(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  h0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:

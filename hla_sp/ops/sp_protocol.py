@@ -47,9 +47,10 @@ class SequenceParallelism(Protocol):
         h0: torch.Tensor | None,
         want_final: bool,
         chunk_size: int,
-        plan: Any,
+        call: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The primitive on this rank's shard [B, T_local, H, *] under ``plan``.
+        """The primitive on this rank's shard [B, T_local, H, *] under ``call``, the
+        call's plan that :meth:`check_call` returned.
 
         ``cu_seqlens`` [N + 1] and ``h0`` [N, H, K, V] are global; returns this rank's
         outputs [B, T_local, H, V] and the global final states (or None).

@@ -329,16 +329,17 @@ class SequenceParallel:
         h0: torch.Tensor | None,
         want_final: bool,
         chunk_size: int,
-        plan: Plan | None,
+        call: Plan | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The primitive over this rank's shard under ``plan``, the :class:`Plan` that
-        :meth:`check_call` returned for the call (see
+        """The primitive over this rank's shard under ``call``, the :class:`Plan` that
+        :meth:`check_call` returned for the operator call (see
         :func:`hla_sp.parallel.primitive.sp_primitive`)."""
+        plan = call
         if plan is None:
             raise RuntimeError(
                 "SequenceParallel: no checked call matches this shard (local T = "
                 f"{q.shape[1]}): the primitive's stages take the plan that "
-                "sp.check_call(...) returned for their call (plan=...)"
+                "sp.check_call(...) returned for their call (call=...)"
             )
         # A cheap guard (the offsets were converted once, by check_call): a plan of
         # another call would fold the wrong pieces.
