@@ -39,6 +39,7 @@ def test_the_flag_is_on_by_default_and_has_a_no_form(tmp_path: Path) -> None:
 def test_non_finite_training_stops_in_one_line_with_nothing_saved(tmp_path: Path) -> None:
     ck = tmp_path / "ck"
     run(parse_args([*TINY, "--train-iters", "2", "--save", str(ck)]), exit_on_error=False)
+    assert not (ck / checkpoint.LOCK).exists()  # released at the normal end
     out = run_local([*TINY, "--context-parallel-size", "2", "--train-iters", "12",
                      "--load", str(ck), "--save", str(ck), *BLOW_UP],
                     2, str(tmp_path / "m.jsonl"), timeout=300)  # fmt: skip
@@ -64,6 +65,7 @@ def test_non_finite_training_stops_in_one_line_with_nothing_saved(tmp_path: Path
     # both ranks' files are in the manifest, which the stop did not touch
     assert {"rng_rank00000.pt", "rng_rank00001.pt"} <= set(body["files"])
     assert f"iter_{stop:07d}" not in out.output  # not saved, not even begun
+    assert not (ck / checkpoint.LOCK).exists()  # released on the way out
 
 
 def test_without_the_check_keep_last_keeps_the_newest_finite_checkpoint(
