@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from hla_sp.launch.checkpoint.layout import CheckpointError, warn_once, write_error
+from hla_sp.launch.checkpoint.layout import CheckpointError, write_error
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
@@ -267,7 +267,6 @@ class _Reader(DefaultLoadPlanner):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._pieces = {(p.key, p.offsets): p for p in pieces}
         self._where = where
-        self.resized: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
     def create_local_plan(self) -> LoadPlan:
         by_key: dict[str, list[Piece]] = {}
@@ -287,7 +286,6 @@ class _Reader(DefaultLoadPlanner):
                         f"model's is {pieces[0].global_shape}")
                 for p in pieces:  # padding rows the checkpoint has not: zero, as megatron
                     p.tensor.zero_()
-                self.resized[key] = (tuple(md.size), pieces[0].global_shape)
             chunks = [ChunkStorageMetadata(offsets=torch.Size(p.offsets), sizes=p.tensor.shape)
                       for p in pieces]  # fmt: skip
             items += create_read_items_for_chunk_list(key, md, chunks)
@@ -334,10 +332,12 @@ def write(path: str, pieces: list[Piece]) -> None:
                               f"({type(cause).__name__}: {_first_line(cause)})") from e
 
 
-def read(path: str, pieces: list[Piece], warn_padding: bool = True) -> None:
+def read(path: str, pieces: list[Piece]) -> None:
     """Fill ``pieces`` from the DCP directory ``path`` (collective), whatever sizes of TP,
-    CP and DP wrote it; ``warn_padding``: say when the padded vocabulary's size differs
-    (it moves a training loss; a sampler that never draws padding ids need not say)."""
+    CP and DP wrote it. A padded vocabulary of another size (the padding follows the TP
+    size) loads the rows both have and starts the others at zero, as Megatron does: the
+    padding ids take no probability (the model gives them -inf logits), so the model's
+    function is unchanged and nothing needs saying."""
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise CheckpointError(f"{os.path.join(path, '.metadata')}: missing (the index of the "
                               f"model and optimizer state)")
@@ -352,12 +352,3 @@ def read(path: str, pieces: list[Piece], warn_padding: bool = True) -> None:
             f"{path}: cannot read the model and optimizer state ({type(cause).__name__}: "
             f"{_first_line(cause)}); the files are truncated or corrupt: resume from "
             f"another iteration with --ckpt-step") from e
-    for key, (saved, now) in planner.resized.items():
-        # the moments and masters follow their weight: one line per weight
-        if warn_padding and not key.startswith(MOMENT):
-            warn_once(
-                f"{path}: {key} is {saved} in the checkpoint and {now} in this run (the "
-                f"vocabulary is padded to a multiple of --make-vocab-size-divisible-by x "
-                f"TP): the rows both have are loaded, the others start at zero as in "
-                f"Megatron; padding rows take part in the softmax, so the loss moves a "
-                f"little (a divisor that pads both TP sizes alike resumes exactly)")

@@ -237,5 +237,4 @@ def load_weights(root: str, iteration: int, model: torch.nn.Module) -> None:
             raise CheckpointError(f"{path}: the weights do not fit this model ({first})"
                                   ) from None
         return
-    sharded.read(os.path.join(d, SHARDED), sharded.describe_model(model, writes=False).pieces,
-                 warn_padding=False)
+    sharded.read(os.path.join(d, SHARDED), sharded.describe_model(model, writes=False).pieces)
