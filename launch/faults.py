@@ -30,6 +30,8 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+from hla_sp.launch import errors
+from hla_sp.launch.errors import KNOWN_EXIT, known_kinds  # noqa: F401  (the trainer's faults.X)
 
 _PREFIX = "hla_sp/heartbeat/"
 _FAILED = "hla_sp/failed/"  # a rank that stops on its own error says why, for its peers
@@ -271,31 +273,7 @@ def _is_collective_error(chain: list[BaseException]) -> bool:
     return False
 
 
-# --- errors of a known kind: one line, once -------------------------------------------
-
-# ``HLA_SP_DEBUG=1`` (``hla-sp train --debug``): tracebacks for every error, and
-# torchrun's own failure summary, as without hla-sp's one-line reports.
-DEBUG_ENV = "HLA_SP_DEBUG"
-# set by ``hla_sp.launch.torchrun`` for its workers: where a worker that stops on an
-# error of a known kind writes it (rank<N>.json), so that the launcher prints it once
-REPORT_ENV = "HLA_SP_REPORT_DIR"
-# a known error's exit status (argparse's, and the launcher's for a bad flag)
-KNOWN_EXIT = 2
-
-
-def debug() -> bool:
-    """Whether tracebacks were asked for (``HLA_SP_DEBUG`` set to anything but 0/empty)."""
-    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
-
-
-def known_kinds() -> tuple[type[BaseException], ...]:
-    """The errors whose message says everything (a flag, a checkpoint, a data file):
-    reported in one line, without a traceback or a diagnosis of the peers."""
-    from hla_sp.launch.checkpoint.layout import CheckpointError
-    from hla_sp.launch.checks import ConfigError
-    from hla_sp.launch.data import DatasetError
-
-    return (ConfigError, CheckpointError, DatasetError)
+# --- errors of a known kind: one line, once (the rest is in hla_sp.launch.errors) ------
 
 
 def known_error(err: BaseException) -> BaseException | None:
@@ -330,46 +308,14 @@ def report_known(err: BaseException, prefix: str = "hla-sp train") -> None:
             store.set_timeout(timedelta(seconds=5))
             store.set(f"{_FAILED}{rank}",
                       json.dumps({"it": _progress[0], "error": f"{type(err).__name__}: {line}"}))
-    if debug():
+    if errors.debug():
         traceback.print_exception(err, file=sys.stderr)
-    where = os.environ.get(REPORT_ENV)
-    if where and os.path.isdir(where):
-        tmp = os.path.join(where, f".rank{rank}.json.tmp")
-        with contextlib.suppress(OSError):
-            with open(tmp, "w") as f:
-                json.dump({"rank": rank, "kind": type(err).__name__, "message": line}, f)
-            os.replace(tmp, os.path.join(where, f"rank{rank}.json"))  # whole or absent
-            return
-    if rank == 0 or debug():
+    where = os.environ.get(errors.REPORT_ENV)
+    if where and os.path.isdir(where) and errors.write_report(where, rank, type(err).__name__,
+                                                              line):
+        return
+    if rank == 0 or errors.debug():
         print(f"{prefix}: error: {line}", file=sys.stderr, flush=True)
-
-
-def read_reports(where: str) -> list[dict[str, Any]]:
-    """The known errors the workers wrote to ``where`` (:data:`REPORT_ENV`), by rank."""
-    out = []
-    try:
-        names = sorted(os.listdir(where))
-    except OSError:
-        return []
-    for name in names:
-        if name.startswith("rank") and name.endswith(".json"):
-            with contextlib.suppress(OSError, ValueError):
-                with open(os.path.join(where, name)) as f:
-                    rep = json.load(f)
-                if isinstance(rep, dict) and isinstance(rep.get("message"), str):
-                    out.append(rep)
-    return sorted(out, key=lambda r: int(r.get("rank", 0)))
-
-
-def summarize_reports(reports: list[dict[str, Any]]) -> list[str]:
-    """One line per distinct message: a failure every rank raised is said once."""
-    by_msg: dict[str, list[int]] = {}
-    for rep in reports:
-        by_msg.setdefault(rep["message"], []).append(int(rep.get("rank", 0)))
-    if len(by_msg) == 1:
-        return list(by_msg)
-    return [f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {m}"
-            for m, r in by_msg.items()]
 
 
 def report_failure(

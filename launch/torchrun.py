@@ -42,7 +42,7 @@ class _DropFailedLine(logging.Filter):
         self.reports = reports
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from hla_sp.launch.faults import read_reports
+        from hla_sp.launch.errors import read_reports
 
         return not ("failed (exitcode" in record.getMessage() and read_reports(self.reports))
 
@@ -50,7 +50,7 @@ class _DropFailedLine(logging.Filter):
 def known_failure(failures: dict[int, object], reports: list[dict]) -> int:
     """The exit status for a run that stopped on the reported errors: a reporting
     worker's own status (the first failure's rank first), else the known errors' one."""
-    from hla_sp.launch.faults import KNOWN_EXIT
+    from hla_sp.launch.errors import KNOWN_EXIT
 
     ranks = {int(r.get("rank", -1)) for r in reports}
     codes = [getattr(f, "exitcode", 0) for r, f in sorted(failures.items()) if r in ranks]
@@ -58,7 +58,7 @@ def known_failure(failures: dict[int, object], reports: list[dict]) -> int:
 
 
 def main(argv: list[str] | None = None, prog: str = "hla-sp train") -> int:
-    from hla_sp.launch import faults
+    from hla_sp.launch import errors
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None, prog: str = "hla-sp train") -> int:
                  "torch.distributed.elastic.multiprocessing.api"):
         logging.getLogger(name).addFilter(quiet)
     with tempfile.TemporaryDirectory(prefix="hla-sp-errors-") as reports:
-        if not faults.debug():  # under HLA_SP_DEBUG the workers print for themselves
-            os.environ[faults.REPORT_ENV] = reports  # the workers inherit it
+        if not errors.debug():  # under HLA_SP_DEBUG the workers print for themselves
+            os.environ[errors.REPORT_ENV] = reports  # the workers inherit it
             logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
                 _DropFailedLine(reports))
         try:
@@ -79,10 +79,10 @@ def main(argv: list[str] | None = None, prog: str = "hla-sp train") -> int:
         except SignalException as e:
             return 128 + int(e.sigval)
         except ChildFailedError as e:
-            found = faults.read_reports(reports)
-            if not found or faults.debug():
+            found = errors.read_reports(reports)
+            if not found or errors.debug():
                 raise
-            for line in faults.summarize_reports(found):
+            for line in errors.summarize_reports(found):
                 print(f"{prog}: error: {line}", file=sys.stderr, flush=True)
             return known_failure(e.failures, found)
     return 0

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from hla_sp.launch import faults, torchrun
+from hla_sp.launch import errors, faults, torchrun
 from hla_sp.launch.cli import main as cli_main
 from hla_sp.launch.local import _env
 
@@ -189,7 +189,7 @@ def test_debug_switch_shows_tracebacks(run_dir: Path) -> None:
     _corrupt_model_state(run_dir / "ck")
     argv = ["train", *TINY, "--train-iters", "4", "--save", "ck", "--load", "ck",
             "--override-opt_param-scheduler"]
-    p = _hla_sp(argv, run_dir, {faults.DEBUG_ENV: "1"})
+    p = _hla_sp(argv, run_dir, {errors.DEBUG_ENV: "1"})
     assert p.returncode != 0
     assert "Traceback" in p.stderr and "cannot read the model" in p.stderr
 
@@ -201,11 +201,11 @@ def test_reports_of_every_rank_are_said_once(tmp_path: Path) -> None:
     for rank in (0, 1, 2):
         (tmp_path / f"rank{rank}.json").write_text(json.dumps(
             {"rank": rank, "kind": "CheckpointError", "message": "ck: corrupt"}))
-    reports = faults.read_reports(str(tmp_path))
-    assert faults.summarize_reports(reports) == ["ck: corrupt"]
+    reports = errors.read_reports(str(tmp_path))
+    assert errors.summarize_reports(reports) == ["ck: corrupt"]
     (tmp_path / "rank3.json").write_text(json.dumps(
         {"rank": 3, "kind": "DatasetError", "message": "ds.bin: truncated"}))
-    lines = faults.summarize_reports(faults.read_reports(str(tmp_path)))
+    lines = errors.summarize_reports(errors.read_reports(str(tmp_path)))
     assert lines == ["ranks 0, 1, 2: ck: corrupt", "rank 3: ds.bin: truncated"]
     Failure = namedtuple("Failure", "exitcode")
     assert torchrun.known_failure({0: Failure(2), 1: Failure(-15)}, reports) == 2
@@ -216,8 +216,8 @@ def test_a_worker_prints_a_known_error_once_from_rank_0(
 ) -> None:
     from hla_sp.launch.checkpoint.layout import CheckpointError
 
-    monkeypatch.delenv(faults.REPORT_ENV, raising=False)
-    monkeypatch.delenv(faults.DEBUG_ENV, raising=False)
+    monkeypatch.delenv(errors.REPORT_ENV, raising=False)
+    monkeypatch.delenv(errors.DEBUG_ENV, raising=False)
     try:
         raise CheckpointError("ck/iter_2: corrupt")
     except CheckpointError as e:
@@ -226,11 +226,11 @@ def test_a_worker_prints_a_known_error_once_from_rank_0(
         monkeypatch.setenv("RANK", rank)
         faults.report_known(err)
     assert capsys.readouterr().err == "hla-sp train: error: ck/iter_2: corrupt\n"
-    monkeypatch.setenv(faults.REPORT_ENV, str(tmp_path))  # under hla-sp train: to the file
+    monkeypatch.setenv(errors.REPORT_ENV, str(tmp_path))  # under hla-sp train: to the file
     faults.report_known(err)
     assert capsys.readouterr().err == ""
-    assert faults.read_reports(str(tmp_path))[0]["message"] == "ck/iter_2: corrupt"
-    monkeypatch.setenv(faults.DEBUG_ENV, "1")
+    assert errors.read_reports(str(tmp_path))[0]["message"] == "ck/iter_2: corrupt"
+    monkeypatch.setenv(errors.DEBUG_ENV, "1")
     faults.report_known(err)
     assert "Traceback" in capsys.readouterr().err
 

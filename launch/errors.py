@@ -1,0 +1,80 @@
+"""Errors of a known kind (a flag, a checkpoint, a data file): said in one line, once.
+
+A worker under ``hla-sp train`` writes such an error to the directory that
+:mod:`hla_sp.launch.torchrun` names in :data:`REPORT_ENV`; the launcher reads the
+reports back and prints each distinct message once, without torchrun's summary.
+``HLA_SP_DEBUG=1`` (``hla-sp train --debug``) asks for tracebacks instead. Torch-free,
+so that the launcher reads it before torch is imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Any
+
+# ``HLA_SP_DEBUG=1`` (``hla-sp train --debug``): tracebacks for every error, and
+# torchrun's own failure summary, as without hla-sp's one-line reports.
+DEBUG_ENV = "HLA_SP_DEBUG"
+# set by ``hla_sp.launch.torchrun`` for its workers: where a worker that stops on an
+# error of a known kind writes it (rank<N>.json), so that the launcher prints it once
+REPORT_ENV = "HLA_SP_REPORT_DIR"
+# a known error's exit status (argparse's, and the launcher's for a bad flag)
+KNOWN_EXIT = 2
+
+
+def debug() -> bool:
+    """Whether tracebacks were asked for (``HLA_SP_DEBUG`` set to anything but 0/empty)."""
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def known_kinds() -> tuple[type[BaseException], ...]:
+    """The errors whose message says everything (a flag, a checkpoint, a data file):
+    reported in one line, without a traceback or a diagnosis of the peers."""
+    from hla_sp.launch.checkpoint.layout import CheckpointError
+    from hla_sp.launch.checks import ConfigError
+    from hla_sp.launch.data import DatasetError
+
+    return (ConfigError, CheckpointError, DatasetError)
+
+
+def write_report(where: str, rank: int, kind: str, message: str) -> bool:
+    """Write one worker's known error to ``where`` (whole or not at all); False if it
+    could not be written (the caller then prints it itself)."""
+    tmp = os.path.join(where, f".rank{rank}.json.tmp")
+    try:
+        with open(tmp, "w") as f:
+            json.dump({"rank": rank, "kind": kind, "message": message}, f)
+        os.replace(tmp, os.path.join(where, f"rank{rank}.json"))
+    except OSError:
+        return False
+    return True
+
+
+def read_reports(where: str) -> list[dict[str, Any]]:
+    """The known errors the workers wrote to ``where`` (:data:`REPORT_ENV`), by rank."""
+    out = []
+    try:
+        names = sorted(os.listdir(where))
+    except OSError:
+        return []
+    for name in names:
+        if name.startswith("rank") and name.endswith(".json"):
+            with contextlib.suppress(OSError, ValueError):
+                with open(os.path.join(where, name)) as f:
+                    rep = json.load(f)
+                if isinstance(rep, dict) and isinstance(rep.get("message"), str):
+                    out.append(rep)
+    return sorted(out, key=lambda r: int(r.get("rank", 0)))
+
+
+def summarize_reports(reports: list[dict[str, Any]]) -> list[str]:
+    """One line per distinct message: a failure every rank raised is said once."""
+    by_msg: dict[str, list[int]] = {}
+    for rep in reports:
+        by_msg.setdefault(rep["message"], []).append(int(rep.get("rank", 0)))
+    if len(by_msg) == 1:
+        return list(by_msg)
+    return [f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {m}"
+            for m, r in by_msg.items()]
