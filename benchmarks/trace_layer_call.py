@@ -7,7 +7,8 @@ package: the files entered, how many stays (a run of calls in one file), how man
 returns, and the calls into ``hla_sp/ops/validate.py``. This is the measure of the
 house's "files per layer call" (docs/operators.md); it writes JSON.
 
-    python benchmarks/trace_layer_call.py [--out benchmarks/results/layer_call_trace.json]
+    HLA_SP_BACKEND=torch python benchmarks/trace_layer_call.py \
+        [--out benchmarks/results/layer_call_trace.json]
 """
 
 from __future__ import annotations
@@ -33,15 +34,19 @@ def _rel(path: str) -> str | None:
     return rel if rel.split("/")[0] in ("hla_sp", "kernels") else None
 
 
-def trace(sp_free_call: bool = True) -> dict[str, Any]:
-    """Trace one call; returns the figures and the files in the order entered."""
+def trace(planned: bool = False) -> dict[str, Any]:
+    """Trace one call (the documents as ``cu_seqlens``, or with ``planned`` as the
+    batch's plan built beforehand, as a trainer does once per batch); returns the
+    figures and the files in the order entered."""
     from hla_sp.nn import HLAttention
+    from hla_sp.ops.sharding import plan_documents
 
     torch.manual_seed(0)
     layer = HLAttention(32, 4, operator="hla2")
     x = torch.randn(1, 64, 32)
     cu = torch.tensor([0, 20, 41, 64])
-    layer(x, cu_seqlens=cu)  # warm: first-call checks and imports are not the path
+    docs = {"plan": plan_documents(cu, 64)} if planned else {"cu_seqlens": cu}
+    layer(x, **docs)  # warm: first-call checks and imports are not the path
 
     files: list[str] = []
     events: list[tuple[str, str, str]] = []
@@ -62,7 +67,7 @@ def trace(sp_free_call: bool = True) -> dict[str, Any]:
 
     sys.setprofile(prof)
     try:
-        layer(x, cu_seqlens=cu)
+        layer(x, **docs)
     finally:
         sys.setprofile(None)
     stays, last = 0, None
@@ -74,7 +79,8 @@ def trace(sp_free_call: bool = True) -> dict[str, Any]:
                   if events[i][0] == "return" and events[i][1] != events[i - 1][1])
     validate_calls = sum(1 for ev, rel, _ in events
                          if ev == "call" and rel == "hla_sp/ops/validate.py")
-    return {"files": len(files), "stays": stays, "returns_between_files": returns,
+    return {"documents": "plan" if planned else "cu_seqlens",
+            "files": len(files), "stays": stays, "returns_between_files": returns,
             "validate_calls": validate_calls, "reached_kernel": stop["hit"],
             "order": files}
 
@@ -83,15 +89,16 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     a = ap.parse_args(argv)
-    res = trace()
-    for k, v in res.items():
-        if k != "order":
-            print(f"{k}: {v}")
-    for i, f in enumerate(res["order"], 1):
-        print(f"  {i:2d}. {f}")
+    results = [trace(planned=False), trace(planned=True)]
+    for res in results:
+        for k, v in res.items():
+            if k != "order":
+                print(f"{k}: {v}")
+        for i, f in enumerate(res["order"], 1):
+            print(f"  {i:2d}. {f}")
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(res, indent=1) + "\n")
+        a.out.write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -169,7 +169,7 @@ def test_poisoned_decay_inside_the_chunk_path(torch_backend: None, value: float)
         _run("la", _poisoned(x, "g", 30, value, whole=True), CU)
 
     def call(q, k, v, *, log_decay, cu_seqlens, output_final_state, chunk_size):
-        return local_primitive(q, k, v, log_decay, cu_seqlens=cu_seqlens,
+        return local_primitive(q, k, v, log_decay, bounds=tuple(cu_seqlens.tolist()),
                                want_final=output_final_state, chunk_size=chunk_size)
 
     assert chunk_impl(x["q"]) is not None

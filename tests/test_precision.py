@@ -199,18 +199,18 @@ def test_layer_fast_path_hands_16_bit_operands_to_the_operator() -> None:
     seen = []
     import hla_sp.nn.heads as heads_mod
 
-    real = heads_mod.run_operator
+    real = heads_mod.execute
 
     def spy(*a, **kw):
-        seen.append((a[1].dtype, kw["precision"]))
+        seen.append((a[2].dtype, kw["precision"]))  # (spec, inputs, q, ...)
         return real(*a, **kw)
 
-    heads_mod.run_operator = spy
+    heads_mod.execute = spy
     try:
         fast, _ = heads(q, k, v)
         exact, _ = heads.to(torch.float64)(q.double(), k.double(), v.double())
     finally:
-        heads_mod.run_operator = real
+        heads_mod.execute = real
     assert seen[0] == (torch.bfloat16, "fast") and seen[1][0] == torch.float64
     heads_exact = HLAHeads(4, 2, 16, precision="exact")
     heads_exact.load_state_dict(heads.state_dict())

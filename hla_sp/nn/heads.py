@@ -28,7 +28,7 @@ from hla_sp.config import DECAYS, PRECISIONS, HLAConfig, operator_names
 from hla_sp.nn.conv import ShortConv
 from hla_sp.ops import operators, validate
 from hla_sp.ops.precision import compute_dtype, resolve, stage_dtype
-from hla_sp.ops.runner import run_operator
+from hla_sp.ops.runner import execute
 from hla_sp.ops.sharding import BatchPlan
 from hla_sp.ops.sp_protocol import SequenceParallelism
 
@@ -160,6 +160,9 @@ class HLAHeads(nn.Module):
         self.norm_weight = param((Hq, K), self.output_norm)
         # The first-order path's weights, for the inputs the operator's outer stage mixes.
         spec = operators.get(self.operator)
+        # The operator's own options, checked once here (every call reuses them).
+        self._options = operators.check_options(
+            spec, dict(normalize=self.normalize, eps=self.eps, ridge=self.ridge))
         self.key_mix = param((Hq,), self.first_order and spec.key_mix)
         self.value_mix = param((Hq,), self.first_order and spec.value_mix)
         self.conv = None
@@ -270,13 +273,17 @@ class HLAHeads(nn.Module):
             (o [B, T, Hq, K] in q's dtype, final state or None)
         """
         self._check(q, k, v)
-        if plan is not None:
-            if cu_seqlens is not None:
-                raise ValueError("cu_seqlens: expected None when plan is given (the plan "
-                                 "holds the documents), got a tensor as well")
-            cu_seqlens = plan  # the operators take a BatchPlan where they take offsets
         op_state, conv_state = self._split_state(initial_state)
         log_decay = self.log_decay(k)
+        # The call is validated once, here, on the kv-head view (the decay and the
+        # documents are per group); the batch's documents become one plan (built from
+        # offsets with one host read unless given), carried unchanged to the conv and
+        # to every stage of the operator.
+        G = self.num_heads // self.num_kv_heads
+        x = validate.check_inputs(
+            q[:, :, ::G], k, v, log_decay=log_decay, scale=self.scale, cu_seqlens=cu_seqlens,
+            plan=plan, sp=sp, chunk_size=self.chunk_size if chunk_size is None else chunk_size,
+            output_final_state=output_final_state)
         # Everything between the projections runs in the compute dtype (fp32, or fp64
         # for fp64 inputs) and is rounded once, at the output: the operators accumulate
         # in it anyway, and normalised q, k are not rounded back to bf16 first.
@@ -285,7 +292,7 @@ class HLAHeads(nn.Module):
         q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
         conv_final = None
         if self.conv is not None:
-            q, k, v, conv_final = self._convolve(q, k, v, conv_state, cu_seqlens, sp,
+            q, k, v, conv_final = self._convolve(q, k, v, conv_state, x, sp,
                                                  output_final_state)
         if self.qk_norm:
             # L2 per head: |q.k| <= 1, so no power of t in S, H can come from key size.
@@ -295,12 +302,10 @@ class HLAHeads(nn.Module):
         sdt = stage_dtype(resolve(self.precision, in_dtype, q.device), in_dtype)
         q, k, v = q.to(sdt), k.to(sdt), v.to(sdt)
         mixes = [None if p is None else p.to(sdt) for p in (self.key_mix, self.value_mix)]
-        o, state = run_operator(
-            self.operator, q, k, v, log_decay=log_decay, normalize=self.normalize,
-            eps=self.eps, ridge=self.ridge, scale=self.scale, initial_state=op_state,
-            output_final_state=output_final_state, cu_seqlens=cu_seqlens, sp=sp,
-            chunk_size=self.chunk_size if chunk_size is None else chunk_size,
-            key_mix=mixes[0], value_mix=mixes[1], mix_norm=self.mix_norm,
+        o, state = execute(
+            operators.get(self.operator), x, q, k, v, self._options, initial_state=op_state,
+            output_final_state=output_final_state, sp=sp, key_mix=mixes[0],
+            value_mix=mixes[1], mix_norm=self.mix_norm and any(m is not None for m in mixes),
             precision=self.precision,
         )
         o = o.to(cdt)
@@ -326,31 +331,27 @@ class HLAHeads(nn.Module):
         return state[0], state[1]
 
     def _convolve(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  conv_state: torch.Tensor | None, cu_seqlens: torch.Tensor | BatchPlan | None,
+                  conv_state: torch.Tensor | None, x: validate.Inputs,
                   sp: SequenceParallelism | None, want_final: bool):
-        """The short convolution of q, k, v side by side; (q, k, v, final conv state)."""
+        """The short convolution of q, k, v side by side, for the call ``x`` checked by
+        :meth:`forward`; (q, k, v, final conv state)."""
         B, T, Hq, K = q.shape
         Hkv = k.shape[2]
-        G = Hq // Hkv
-        # The documents (and, under sp, the agreement of the ranks) are checked before
-        # any work, as the operator will check them again.
-        x = validate.check_inputs(q[:, :, ::G], k, v, log_decay=None, scale=self.scale,
-                                  cu_seqlens=cu_seqlens, sp=sp, chunk_size=self.chunk_size)
-        plan = None
+        call = None
         if sp is not None:
             # The taps are an option (not part of the call's name), so that a mismatch
             # reads "short_conv differs across ranks: 4 on ranks [0], 2 on ranks [1]".
-            plan = sp.check_call(x, op="short-conv/layer", options=dict(
+            call = sp.check_call(x, op="short-conv/layer", options=dict(
                 short_conv=self.short_conv, conv_initial_state=conv_state,
                 output_final_state=want_final))
-            bounds = None if plan.bounds is None else list(plan.bounds)
+            bounds = None if call.bounds is None else list(call.bounds)
         else:
             bounds = None if x.plan is None or x.plan.bounds is None else list(x.plan.bounds)
         # Explicit widths: an empty shard (T = 0 under sp) cannot infer a -1.
         nq, nk, nv = Hq * K, Hkv * K, Hkv * v.shape[-1]
         xs = torch.cat([q.reshape(B, T, nq), k.reshape(B, T, nk), v.reshape(B, T, nv)], -1)
         y, final = self.conv(xs, bounds=bounds, state=conv_state, want_final=want_final,
-                             plan=plan)
+                             plan=call)
         q = y[..., :nq].reshape(B, T, Hq, K)
         k = y[..., nq : nq + nk].reshape(B, T, Hkv, K)
         v = y[..., nq + nk :].reshape(B, T, Hkv, v.shape[-1])

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from hla_sp.ops import validate
-from hla_sp.ops.chunk import document_resets
 from hla_sp.ops.compositions import (
     DEFAULT_EPS,
     HLA2State,
@@ -164,7 +163,7 @@ def hla2_fused(
         q, k, v, log_decay=log_decay, scale=scale, cu_seqlens=cu_seqlens, sp=None,
         chunk_size=chunk_size,
     )
-    if x.cu_seqlens is not None and (initial_state is not None or output_final_state):
+    if x.plan is not None and (initial_state is not None or output_final_state):
         raise NotImplementedError(
             "hla2_fused: cu_seqlens with initial_state or output_final_state; use hla_sp.hla2"
         )
@@ -175,15 +174,13 @@ def hla2_fused(
     if mode == "sequential":  # refused before any work, from the ahead-of-time table
         refusal = triton_fused_hla2_refusal(  # normalize appends the denominator's column to v
             x.q.dtype, x.K, x.V + int(normalize), decay=x.g is not None,
-            documents=x.cu_seqlens is not None, states=initial_state is not None,
+            documents=x.plan is not None, states=initial_state is not None,
         )
         if refusal is not None:
             raise ValueError(refusal)
     fields = state_fields("hla2", x.n_seq, x.H, x.H, x.K, x.V, normalize)
     S0, H0, eta0 = validate.check_state_tuple(initial_state, fields, x.q)
-    resets = None
-    if x.cu_seqlens is not None:
-        resets = document_resets(x.cu_seqlens.tolist(), x.T, x.q.device)
+    resets = None if x.plan is None else x.plan.resets(x.q.device)
     vv = x.v
     if normalize:
         vv, H0 = with_denominator(vv, H0, eta0)

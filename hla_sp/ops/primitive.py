@@ -19,12 +19,8 @@ import torch
 from hla_sp.ops.chunk import document_resets, segment_summary, with_carry_terms
 from hla_sp.ops.custom_op import chunk_impl
 from hla_sp.ops.isolation import carry_into, finite_decay
-from hla_sp.ops.sharding import BatchPlan, documents_bounds
+from hla_sp.ops.sharding import BatchPlan
 from hla_sp.ops.sp_protocol import SequenceParallelism
-
-# The documents of a primitive call: offsets (a tensor, read on the host, or Python
-# ints) or a BatchPlan (no host read).
-Documents = torch.Tensor | BatchPlan | tuple[int, ...] | None
 
 DEFAULT_CHUNK_SIZE = 64
 
@@ -35,7 +31,8 @@ def local_primitive(
     v: torch.Tensor,
     g: torch.Tensor | None,
     *,
-    cu_seqlens: Documents = None,
+    bounds: tuple[int, ...] | None = None,
+    resets: torch.Tensor | None = None,
     h0: torch.Tensor | None = None,
     want_final: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
@@ -45,9 +42,10 @@ def local_primitive(
     Args:
         q: [B, T, H, K], already scaled. k: [B, T, H, K]. v: [B, T, H, V].
         g: [B, T, H] log-decay or None.
-        cu_seqlens: document offsets [N + 1] (B == 1): an int64 CPU tensor, Python
-            ints or a :class:`BatchPlan` (no host read); or None.
-        h0: [N, H, K, V] initial state per sequence (N = B without cu_seqlens), or None.
+        bounds: document offsets [N + 1] as Python ints (B == 1), or None.
+        resets: their [1, T] resets when the batch's plan holds them already (built
+            once per batch); None builds them from ``bounds``.
+        h0: [N, H, K, V] initial state per sequence (N = B without documents), or None.
         want_final: also return the final state of each sequence.
 
     Returns:
@@ -55,14 +53,12 @@ def local_primitive(
         inputs) or None.
     """
     impl = chunk_impl(q)
-    bounds = (cu_seqlens.bounds if isinstance(cu_seqlens, BatchPlan)
-              else documents_bounds(cu_seqlens))
     if bounds is None:
         o, h_last = impl(q, k, v, g, h0=h0, chunk_size=chunk_size)
         return o.to(q.dtype), (h_last if want_final else None)
 
-    T = q.shape[1]
-    resets = document_resets(bounds, T, q.device)
+    if resets is None:
+        resets = document_resets(bounds, q.shape[1], q.device)
     # The first document's initial state is the carry into position 0; the others
     # are added to their documents afterwards (their starts cut the chunk carry).
     o, h_last = impl(
@@ -104,7 +100,7 @@ def primitive(
     v: torch.Tensor,
     g: torch.Tensor | None,
     *,
-    cu_seqlens: Documents = None,
+    docs: BatchPlan | None = None,
     h0: torch.Tensor | None = None,
     want_final: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
@@ -113,16 +109,18 @@ def primitive(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`local_primitive`, or its sequence-parallel form when ``sp`` is given.
 
-    Under ``sp`` each rank passes its shard; ``cu_seqlens`` and ``h0`` are global, and
-    ``call`` is the call's plan, what ``sp.check_call`` returned for the operator call
-    this stage belongs to (not the batch's plan, which the public functions take as
-    ``plan=``).
+    ``docs``: the batch's plan (its documents), carried unchanged from the layer or the
+    public call; on one process its resets, built once per batch, go to the kernel.
+    Under ``sp`` each rank passes its shard; the plan's offsets and ``h0`` are global,
+    and ``call`` is the call's plan, what ``sp.check_call`` returned for the operator
+    call this stage belongs to (not the batch's plan, which the public functions take
+    as ``plan=``).
     """
     if sp is None:
+        bounds = None if docs is None else docs.bounds
         return local_primitive(
-            q, k, v, g, cu_seqlens=cu_seqlens, h0=h0, want_final=want_final, chunk_size=chunk_size
-        )
+            q, k, v, g, bounds=bounds, resets=None if bounds is None else docs.resets(q.device),
+            h0=h0, want_final=want_final, chunk_size=chunk_size)
     return sp.primitive(
-        q, k, v, g, cu_seqlens=cu_seqlens, h0=h0, want_final=want_final,
-        chunk_size=chunk_size, call=call,
+        q, k, v, g, docs=docs, h0=h0, want_final=want_final, chunk_size=chunk_size, call=call,
     )

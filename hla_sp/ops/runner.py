@@ -57,16 +57,16 @@ class _Stages:
     shared stages share one ordering chain.
     """
 
-    def __init__(self, G: int, g: torch.Tensor | None, *, cu_seqlens: Any,
+    def __init__(self, G: int, g: torch.Tensor | None, *, docs: BatchPlan | None,
                  want_final: bool, chunk_size: int, sp: SequenceParallelism | None,
                  plan: Any):
-        self.G, self.g, self.cu, self.want_final = G, g, cu_seqlens, want_final
+        self.G, self.g, self.cu, self.want_final = G, g, docs, want_final
         self.chunk_size, self.sp, self.plan = chunk_size, sp, plan
         self.gq = None if g is None or G == 1 else g.repeat_interleave(G, dim=-1)
         self.shared_plan = plan if G == 1 else None
 
     def _primitive(self, q, k, v, g, h0, cu, plan):
-        return primitive(q, k, v, g, cu_seqlens=cu, h0=h0, want_final=self.want_final,
+        return primitive(q, k, v, g, docs=cu, h0=h0, want_final=self.want_final,
                          chunk_size=self.chunk_size, sp=self.sp, call=plan)
 
     def per_head(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -92,8 +92,8 @@ class _Stages:
         cu = None if self.cu is None else self.cu * G
         if self.sp is not None and self.shared_plan is None:
             # The interleaved shard is a call of its own (local T * G, offsets * G).
-            xi = validate.check_inputs(qi, ki, vi, log_decay=gi, scale=1.0, cu_seqlens=cu,
-                                       sp=self.sp, chunk_size=self.chunk_size)
+            xi = validate.check_inputs(qi, ki, vi, log_decay=gi, scale=1.0, cu_seqlens=None,
+                                       plan=cu, sp=self.sp, chunk_size=self.chunk_size)
             self.shared_plan = self.sp.check_call(xi, op=f"gqa-shared-stage/{G}", options={})
         o, final = self._primitive(qi, ki, vi, gi, h0, cu, self.shared_plan)
         V = v.shape[-1]
@@ -189,6 +189,35 @@ def run_operator(
     )
     opts = table.check_options(spec, options)
     mix_norm = validate.check_bool("mix_norm", mix_norm) and mixed
+    return execute(spec, x, q, k, v, opts, initial_state=initial_state,
+                   output_final_state=output_final_state, sp=sp, key_mix=key_mix,
+                   value_mix=value_mix, mix_norm=mix_norm, precision=precision)
+
+
+def execute(
+    spec: table.OperatorSpec,
+    x: validate.Inputs,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    opts: dict[str, Any],
+    *,
+    initial_state: Any = None,
+    output_final_state: bool = False,
+    sp: SequenceParallelism | None = None,
+    key_mix: torch.Tensor | None = None,
+    value_mix: torch.Tensor | None = None,
+    mix_norm: bool = False,
+    precision: str = "auto",
+) -> tuple[torch.Tensor, tuple | None]:
+    """The call after its validation, for a caller that validated it once at its own
+    boundary (:func:`run_operator`, the layer): ``x`` the checked inputs of the kv-head
+    view (its decay, documents, scale, chunk size and sizes are used; its tensors only
+    describe the call), q [B, T, Hq, K], k [B, T, Hkv, K], v [B, T, Hkv, V] the tensors
+    to run, ``opts`` the operator's checked options. The initial state is checked here,
+    and under ``sp`` the ranks' agreement."""
+    G = q.shape[2] // x.H
+    mixed = key_mix is not None or value_mix is not None
     precision = resolve(precision, q.dtype, q.device)
     fields = table.state_fields(spec.name, x.n_seq, x.H * G, x.H, x.K, x.V, **opts)
     if spec.bare_state and isinstance(initial_state, torch.Tensor):
@@ -205,7 +234,7 @@ def run_operator(
             agree["precision"] = precision
         agreed = sp.check_call(x, op=spec.name if G == 1 else f"{spec.name}/gqa{G}",
                                options=agree)
-    stages = _Stages(G, x.g, cu_seqlens=x.plan, want_final=output_final_state,
+    stages = _Stages(G, x.g, docs=x.plan, want_final=output_final_state,
                      chunk_size=x.chunk_size, sp=sp, plan=agreed)
     # One stage has nothing to exchange between stages: it runs in the inputs' dtype.
     cdt = stage_dtype(precision, q.dtype) if spec.precision else q.dtype

@@ -65,6 +65,28 @@ class BatchPlan:
     layout: str = "contiguous"
     pieces: tuple = ()  # hla_sp.parallel.layouts.Piece, in global order; () on one process
     group: Any = None  # the process group it was planned for (None: one process)
+    # The document resets per device, built once (not copied by dataclasses.replace).
+    _resets: dict = dataclasses.field(default_factory=dict, init=False, repr=False,
+                                      compare=False)
+
+    def resets(self, device: torch.device) -> torch.Tensor | None:
+        """[1, T_local] bool, True at every document start but the first (one process:
+        what the chunk scan cuts its carry at), or None without documents; built once
+        per device and kept, so every layer and stage of the batch reuses it (not kept
+        while torch.compile traces: the trace makes its own)."""
+        if self.bounds is None:
+            return None
+        if self.T_local != self.T:
+            raise ValueError("plan: the resets of a sharded batch are per piece (the "
+                             "sequence-parallel primitive cuts them), not of the plan")
+        cached = None if torch.compiler.is_compiling() else self._resets.get(device)
+        if cached is not None:
+            return cached
+        resets = torch.zeros(1, self.T_local, dtype=torch.bool, device=device)
+        resets[0, list(self.bounds[1:-1])] = True
+        if not torch.compiler.is_compiling():
+            self._resets[device] = resets
+        return resets
 
     @property
     def n_docs(self) -> int | None:

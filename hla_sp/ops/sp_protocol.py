@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
+from hla_sp.ops.sharding import BatchPlan
 from hla_sp.ops.validate import Inputs
 
 
@@ -43,7 +44,7 @@ class SequenceParallelism(Protocol):
         v: torch.Tensor,
         g: torch.Tensor | None,
         *,
-        cu_seqlens: torch.Tensor | None,
+        docs: BatchPlan | None,
         h0: torch.Tensor | None,
         want_final: bool,
         chunk_size: int,
@@ -52,7 +53,8 @@ class SequenceParallelism(Protocol):
         """The primitive on this rank's shard [B, T_local, H, *] under ``call``, the
         call's plan that :meth:`check_call` returned.
 
-        ``cu_seqlens`` [N + 1] and ``h0`` [N, H, K, V] are global; returns this rank's
+        ``docs`` (the batch's plan: global offsets [N + 1]) and ``h0`` [N, H, K, V] are
+        global; returns this rank's
         outputs [B, T_local, H, V] and the global final states (or None).
         """
         ...

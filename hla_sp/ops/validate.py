@@ -188,15 +188,10 @@ def _check_packed(q: torch.Tensor, why: str) -> None:
 
 def check_documents(
     cu_seqlens: object, plan: object, q: torch.Tensor, *, sp: object
-) -> tuple[torch.Tensor | BatchPlan | None, BatchPlan | None]:
-    """The documents of a call, given as offsets or as a batch plan (``plan=``, or a
-    :class:`BatchPlan` passed as ``cu_seqlens`` by an inner call): (what to pass on
-    as ``cu_seqlens``, the call's plan or None). A plan is read without any host
-    synchronization; a tensor is read once and planned here."""
-    if isinstance(cu_seqlens, BatchPlan):
-        if plan is not None:
-            _fail(ValueError, "plan", "None when cu_seqlens is a BatchPlan", "both")
-        cu_seqlens, plan = None, cu_seqlens
+) -> BatchPlan | None:
+    """The documents of a call as its batch's :class:`BatchPlan`, given as offsets
+    (``cu_seqlens``, read on the host once and planned here) or as the plan itself
+    (``plan=``, read without any host synchronization); None for no documents."""
     if plan is not None:
         if cu_seqlens is not None:
             _fail(ValueError, "cu_seqlens", "None when plan is given (the plan holds the "
@@ -209,14 +204,13 @@ def check_documents(
         if sp is None and plan.T_local != plan.T:
             _fail(ValueError, "plan", "a one-process plan (T = T_local) without sp", f"a "
                   f"plan of a sharded batch (T = {plan.T}, T_local = {plan.T_local})")
-        return plan, plan
+        return plan
     T = q.shape[1]
     bounds = check_cu_seqlens(cu_seqlens, q, total=None if sp is not None else T)
     if bounds is None:
-        return None, None
-    plan = BatchPlan(T_local=T, T=T if sp is None else bounds[-1], bounds=bounds,
+        return None
+    return BatchPlan(T_local=T, T=T if sp is None else bounds[-1], bounds=bounds,
                      digest=bounds_digest(bounds), lengths=(T,) if sp is None else ())
-    return torch.tensor(bounds, dtype=torch.int64), plan
 
 
 def check_state(
@@ -323,8 +317,6 @@ class Inputs:
     k: torch.Tensor  # [B, T, H, K]
     v: torch.Tensor  # [B, T, H, V]
     g: torch.Tensor | None  # [B, T, H] log-decay
-    # The documents as given: [N + 1] int64 on CPU (offsets), or the BatchPlan (plan=).
-    cu_seqlens: torch.Tensor | BatchPlan | None
     scale: float
     chunk_size: int
     B: int
@@ -333,7 +325,7 @@ class Inputs:
     K: int
     V: int
     n_seq: int  # B, or N documents when packed
-    plan: BatchPlan | None = None  # the call's documents as Python ints (None: none given)
+    plan: BatchPlan | None = None  # the batch's plan: its documents (None: none given)
 
 
 def check_inputs(
@@ -363,8 +355,8 @@ def check_inputs(
     # Under sp the sign is checked with the ranks' agreement, on the device (a check
     # of one rank's shard alone would raise on that rank only).
     g = check_log_decay(log_decay, q, check_values=sp is None)
-    cu, bp = check_documents(cu_seqlens, plan, q, sp=sp)
+    bp = check_documents(cu_seqlens, plan, q, sp=sp)
     cs = check_chunk_size(chunk_size, T)
     check_bool("output_final_state", output_final_state)
     n_seq = B if bp is None or bp.bounds is None else len(bp.bounds) - 1
-    return Inputs(q, k, v, g, cu, sc, cs, B, T, H, K, v.shape[-1], n_seq, bp)
+    return Inputs(q, k, v, g, sc, cs, B, T, H, K, v.shape[-1], n_seq, bp)

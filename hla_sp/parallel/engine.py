@@ -325,7 +325,7 @@ class SequenceParallel:
         v: torch.Tensor,
         g: torch.Tensor | None,
         *,
-        cu_seqlens: torch.Tensor | BatchPlan | tuple[int, ...] | None,
+        docs: BatchPlan | None,
         h0: torch.Tensor | None,
         want_final: bool,
         chunk_size: int,
@@ -343,7 +343,7 @@ class SequenceParallel:
             )
         # A cheap guard (the offsets were converted once, by check_call): a plan of
         # another call would fold the wrong pieces.
-        given = cu_seqlens.bounds if isinstance(cu_seqlens, BatchPlan) else cu_seqlens
+        given = None if docs is None else docs.bounds
         if plan.lengths[plan.rank] != q.shape[1] or (plan.bounds is None) != (given is None):
             raise RuntimeError(
                 f"SequenceParallel: no checked call matches this shard (local T = "

@@ -345,7 +345,7 @@ def _zero_state_outputs(call: _Call, has_h0: bool, chunk_size: int) -> list[Tens
             parts = [call.h0_of(x.source) if x.source != CARRY else zero for x in sg]
             local_h0 = torch.cat(parts) if call.plan.bounds is not None else parts[0]
         o, _ = local_primitive(
-            qp, kp, vp, gp, cu_seqlens=local_cu, h0=local_h0, chunk_size=chunk_size
+            qp, kp, vp, gp, bounds=local_cu, h0=local_h0, chunk_size=chunk_size
         )
         outs.append(o)
     return outs
