@@ -68,6 +68,12 @@ def operator_names() -> tuple[str, ...]:
     return tuple(operator_facts())
 
 
+def hla_operator_names() -> tuple[str, ...]:
+    """The operators Megatron's core-attention slot takes (``--attention``): the
+    higher-order built-ins, then those registered at run time."""
+    return tuple(n for n, f in operator_facts().items() if f.higher_order)
+
+
 def add_operator(name: str, facts: OperatorFacts) -> None:
     """Accept ``name`` as an operator (called by the operator table's ``register``)."""
     if not isinstance(name, str) or not name or name in operator_facts():

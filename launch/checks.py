@@ -353,7 +353,9 @@ MODEL_FLAGS = (
     "position_embedding_type", "max_position_embeddings", "vocab_size",
     "make_vocab_size_divisible_by", "bf16", "fp16",
 )
-_FREE_HLA = ("hla_chunk_size", "hla_sp_method", "hla_precision")
+# Flags of the HLA group that change no parameter: they may differ on resume (the
+# modules --custom-import names only make the operator known; --attention says which).
+_FREE_HLA = ("hla_chunk_size", "hla_sp_method", "hla_precision", "custom_import")
 
 
 def _model_shape(d: dict[str, Any]) -> dict[str, Any]:

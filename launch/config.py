@@ -534,7 +534,11 @@ def parse_args(
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        # The user's modules first (in the launcher and in every worker): the operators
+        # they register are --attention's choices, so they must exist before any parser.
+        import_user_modules(argv)
         argv = expand_config(argv, prog)
+        import_user_modules(argv)  # and those a --config file names
     except ConfigError as e:
         if raise_errors:
             raise
@@ -544,6 +548,17 @@ def parse_args(
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     hla = {k: v for k, v in ns.items() if k not in names}
     return TrainConfig(**{k: v for k, v in ns.items() if k in names}, hla=hla)
+
+
+def import_user_modules(argv: list[str]) -> None:
+    """Import the modules ``argv`` names with ``--custom-import`` (torchtitan's
+    ``experimental.custom_import``); a failure is a :class:`ConfigError` naming one."""
+    from hla_sp.megatron_patch.args import custom_imports, import_custom
+
+    try:
+        import_custom(custom_imports(argv))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def flag_names() -> dict[str, str]:

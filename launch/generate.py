@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load", required=True, help="Checkpoint directory (hla-sp train --save).")
     p.add_argument("--ckpt-step", type=int, default=None,
                    help="Load this iteration instead of the latest.")
+    p.add_argument("--custom-import", action="append", default=[], metavar="MODULE",
+                   help="Import this module first (one that registers an operator); the "
+                        "modules the training run named are imported anyway.")
     p.add_argument("--prompt", default="", help="Text to continue (UTF-8 bytes); empty: "
                    "start a document.")
     p.add_argument("--max-new-tokens", type=int, default=200, help="Tokens (bytes) to sample.")
@@ -125,6 +128,13 @@ def load_config(load: str, step: int | None = None) -> tuple[TrainConfig, int]:
     if saved is None:
         raise GenerateError(f"{checkpoint.checkpoint_dir(load, it)}: no config.json (the "
                             "checkpoint does not say which model it holds)")
+    from hla_sp.megatron_patch.args import import_custom
+
+    try:
+        # the modules that registered the run's operator (--custom-import), imported again
+        import_custom((saved.get("hla") or {}).get("custom_import") or [])
+    except ValueError as e:
+        raise GenerateError(f"{checkpoint.checkpoint_dir(load, it)}: the run's {e}") from None
     try:
         cfg = TrainConfig.from_dict(saved)
     except (ConfigError, TypeError) as e:
@@ -357,6 +367,12 @@ def main(argv: list[str] | None = None) -> int:
         from hla_sp.launch.extras import require
 
         require("megatron", "hla-sp generate")
+        from hla_sp.megatron_patch.args import import_custom
+
+        try:
+            import_custom(args.custom_import)
+        except ValueError as e:
+            raise GenerateError(str(e)) from None
         check_request(args)
         with warnings.catch_warnings():
             _quiet_megatron()

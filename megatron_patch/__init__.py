@@ -18,11 +18,13 @@ from __future__ import annotations
 from typing import Any
 
 from hla_sp.megatron_patch.args import (
-    ATTENTION_CHOICES,
     add_hla_args,
+    attention_choices,
     check_hla_args,
+    custom_imports,
     hla_enabled,
     hla_spec_kwargs,
+    import_custom,
 )
 
 _LAZY = {
@@ -36,11 +38,12 @@ _LAZY = {
 }
 
 __all__ = [
-    "ATTENTION_CHOICES",
     "HLACoreAttention",
     "add_hla_args",
     "assert_hla_model",
+    "attention_choices",
     "check_hla_args",
+    "custom_imports",
     "get_hla_layer_local_spec",
     "get_hla_layer_spec",
     "get_hla_layer_te_spec",
@@ -48,6 +51,7 @@ __all__ = [
     "hla_enabled",
     "hla_report",
     "hla_spec_kwargs",
+    "import_custom",
 ]
 
 

@@ -9,11 +9,47 @@ an abbreviation of either (and argparse prefers an exact match anyway).
 from __future__ import annotations
 
 import argparse
+import importlib
+from collections.abc import Sequence
 from typing import Any
 
-from hla_sp.config import HLA_OPERATORS, HLAConfig
+from hla_sp.config import HLAConfig, hla_operator_names
 
-ATTENTION_CHOICES = ("softmax", *HLA_OPERATORS)
+
+def attention_choices() -> tuple[str, ...]:
+    """``--attention``'s choices now: softmax, the higher-order built-ins, and the
+    operators that modules imported by ``--custom-import`` registered."""
+    return ("softmax", *hla_operator_names())
+
+
+def custom_imports(argv: Sequence[str]) -> list[str]:
+    """The modules ``argv`` names with ``--custom-import MODULE`` (or ``=MODULE``), in
+    order; read before any parser is built, since their operators decide the choices."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--custom-import":
+            if i + 1 >= len(argv) or argv[i + 1].startswith("-"):
+                raise ValueError("--custom-import: expected a module name, got nothing")
+            out.append(argv[i + 1])
+            i += 2
+            continue
+        if a.startswith("--custom-import="):
+            out.append(a.split("=", 1)[1])
+        i += 1
+    return out
+
+
+def import_custom(modules: Sequence[str]) -> None:
+    """Import the user's modules (each registers its operators with
+    ``hla_sp.ops.operators.register``); a module that fails is one ValueError naming it."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # the user's code: whatever it raises, name the module
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise ValueError(f"--custom-import {name}: cannot import it "
+                             f"({type(e).__name__}: {first})") from None
 
 def add_hla_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the HLA flags to ``parser`` and return it (Megatron's extra_args_provider).
@@ -24,7 +60,7 @@ def add_hla_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     if not isinstance(parser, argparse.ArgumentParser):
         raise TypeError(f"parser: expected an argparse.ArgumentParser, got "
                         f"{type(parser).__name__}")
-    flags = ["--attention"] + [
+    flags = ["--attention", "--custom-import"] + [
         f"--{p}hla-{f.name.replace('_', '-')}" for f in HLAConfig.flag_fields()
         for p in (("", "no-") if isinstance(f.default, bool) else ("",))
     ]
@@ -33,9 +69,17 @@ def add_hla_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         raise ValueError(f"parser: the HLA flags {taken} are already defined by this parser; "
                          "add_hla_args must be called once, on a parser without them")
     g = parser.add_argument_group("HLA", "Higher-order linear attention (hla_sp)")
-    g.add_argument("--attention", choices=ATTENTION_CHOICES, default="softmax",
-                   help="Core attention: softmax leaves Megatron as it is; hla2, ahla, hla3 put "
-                        "HLA in the core-attention slot of every layer.")
+    hla = ", ".join(hla_operator_names())
+    g.add_argument("--attention", choices=attention_choices(), default="softmax",
+                   help=f"Core attention: softmax leaves Megatron as it is; {hla} put HLA in "
+                        "the core-attention slot of every layer (an operator registered by a "
+                        "--custom-import module too).")
+    g.add_argument("--custom-import", action="append", default=[], metavar="MODULE",
+                   help="Import this module first, in the launcher and in every worker, "
+                        "before the flags are checked: the operators it registers "
+                        "(hla_sp.ops.operators.register) are then accepted by --attention, "
+                        "the layer specs and the checkpoints. May be given several times; "
+                        "the run records it, so a resume or generate imports it again.")
     HLAConfig.add_flags(g)  # --hla-decay, --hla-normalize, ...: choices and defaults from there
     return parser
 
@@ -48,7 +92,8 @@ def hla_enabled(args: Any) -> bool:
 def hla_spec_kwargs(args: Any) -> dict[str, Any]:
     """Keyword arguments of ``get_hla_layer_*_spec`` from parsed flags."""
     if not hla_enabled(args):
-        raise ValueError("args.attention: expected one of hla2, ahla, hla3, got 'softmax'")
+        raise ValueError(f"args.attention: expected one of {hla_operator_names()}, got "
+                         "'softmax'")
     cfg = HLAConfig.from_flags(args, operator=args.attention)
     return {f.name: getattr(cfg, f.name) for f in HLAConfig.flag_fields()} | {
         "operator": cfg.operator}

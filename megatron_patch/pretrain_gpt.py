@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
-from hla_sp.megatron_patch.args import check_hla_args, hla_enabled
+from hla_sp.megatron_patch.args import check_hla_args, custom_imports, hla_enabled, import_custom
 from hla_sp.megatron_patch.compat import cp_split, pretrain_api, tokenizer, tp_broadcast_batch
 from hla_sp.megatron_patch.hybrid import assert_hybrid_model, layer_pattern
 
@@ -347,6 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "-h" in argv or "--help" in argv:
         return _help(argv)
     try:
+        # the user's operators first: they are --attention's choices (each worker runs this)
+        import_custom(custom_imports(argv))
         ns = prescan(argv)
         user_spec = None
         if ns.spec and not hla_enabled(ns) and ns.spec != ["local"]:

@@ -164,7 +164,8 @@ def test_padded_vocabulary_loads_the_rows_both_have(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The embedding's rows are padded per TP size: another padded size loads the shared
-    rows and zeroes the rest (as Megatron), saying so once; other tensors refuse it."""
+    rows and zeroes the rest (as Megatron), silently: padding ids take no probability,
+    so the model's function is unchanged; other tensors refuse it."""
     from hla_sp.launch.checkpoint import sharded
 
     monkeypatch.setattr(checkpoint.layout, "_warned", set())
@@ -174,8 +175,7 @@ def test_padded_vocabulary_loads_the_rows_both_have(
     sharded.read(str(tmp_path / "d"), [_piece(small, 0, 4, padded=True)])
     sharded.read(str(tmp_path / "d"), [_piece(big, 0, 8, padded=True)])
     assert torch.equal(small, saved[:4]) and torch.equal(big[:6], saved) and not big[6:].any()
-    err = capsys.readouterr().err.splitlines()
-    assert len(err) == 2 and "emb is (6, 2) in the checkpoint and (4, 2) in this run" in err[0]
+    assert capsys.readouterr().err == ""
     with pytest.raises(checkpoint.CheckpointError,
                        match=r"emb is \(6, 2\) in the checkpoint, this model's is \(4, 2\)"):
         sharded.read(str(tmp_path / "d"), [_piece(small, 0, 4)])
