@@ -228,6 +228,11 @@ class TrainConfig:
     needs the wandb package)."""
     wandb_exp_name: str | None = None
     """With --wandb-project: the run's name (default: wandb's)."""
+    peak_tflops: float | None = None
+    """The device's peak TFLOP/s, for the model FLOPs utilisation (MFU) of the progress
+    line and the logs. Default: the dense peak of a known GPU at the run's precision
+    (H100/H200: 989 with --bf16/--fp16, 495 tf32; A100: 312, 156); none on a CPU or an
+    unknown device, which then logs no MFU."""
 
     # --- attention (filled from hla_sp.megatron_patch.add_hla_args) --------------
     hla: dict[str, Any] = field(default_factory=dict)

@@ -67,9 +67,11 @@ def progress_line(rec: dict[str, Any], train_iters: int) -> str:
         extra += f" | recall acc {rec['val_recall_acc']:.3f}"
     if "loss_scale" in rec:
         extra += f" | loss scale {rec['loss_scale']:.3g}" + (" (skipped)" if rec["skipped"] else "")
-    if "tflops_per_s" in rec:
-        ranks = max(len(rec["peak_mem_bytes_per_rank"]), 1)
-        extra += f" | {rec['tflops_per_s'] / ranks:.3g} TFLOP/s per rank"
+    if "tflops_per_rank" in rec:
+        extra += (f" | {rec['tflops_per_rank']:.3g} TFLOP/s per rank "
+                  f"({rec['tflops_total']:.3g} total)")
+        if "mfu" in rec:
+            extra += f" | MFU {100 * rec['mfu']:.1f}%"
     if "consumed_tokens" in rec:
         extra += f" | {count(rec['consumed_tokens'])} tokens"
     if "elapsed_s" in rec:
@@ -77,7 +79,10 @@ def progress_line(rec: dict[str, Any], train_iters: int) -> str:
     return (
         f"iter {rec['iteration']:>5}/{train_iters} | loss {rec['loss']:.4f} | "
         f"lr {rec['lr']:.2e} | grad-norm {rec['grad_norm']:.3f} | "
-        f"{rec['tokens_per_s']:,.0f} tok/s | step {rec['step_time_s']:.2f} s | "
+        f"{rec['tokens_per_s']:,.0f} tok/s"
+        + (f" ({rec['tokens_per_s_per_rank']:,.0f} per rank)"
+           if "tokens_per_s_per_rank" in rec else "")
+        + f" | step {rec['step_time_s']:.2f} s | "
         f"peak mem {gib(rec['peak_mem_bytes'])} "
         f"(max of {len(rec['peak_mem_bytes_per_rank'])} ranks){extra}"
     )
@@ -184,7 +189,9 @@ class LivePlot:
 SCALARS = {
     "loss": "train/loss", "val_loss": "val/loss", "val_recall_acc": "val/recall_acc",
     "lr": "train/lr", "grad_norm": "train/grad_norm", "loss_scale": "train/loss_scale",
-    "tokens_per_s": "perf/tokens_per_s", "tflops_per_s": "perf/tflops_per_s",
+    "tokens_per_s": "perf/tokens_per_s", "tokens_per_s_per_rank": "perf/tokens_per_s_per_rank",
+    "tflops_per_rank": "perf/tflops_per_rank", "tflops_total": "perf/tflops_total",
+    "mfu": "perf/mfu",
     "step_time_s": "perf/step_time_s", "peak_mem_bytes": "perf/peak_mem_bytes",
     "consumed_tokens": "train/consumed_tokens",
 }

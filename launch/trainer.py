@@ -32,6 +32,7 @@ from hla_sp.launch.data import build_samples, infer_vocab_size, microbatches
 from hla_sp.launch.distributed import Topology
 from hla_sp.launch.nonfinite import NonFiniteError, checkpoint_finite, non_finite, stop_line
 from hla_sp.launch.precision import LossScaler, MasterWeights
+from hla_sp.launch.throughput import default_peak, step_throughput
 
 
 def _param_groups(masters: MasterWeights, weight_decay: float) -> list[dict[str, Any]]:
@@ -133,6 +134,9 @@ class Trainer:
         # model FLOPs of one step (recompute not counted): the TFLOP/s of the progress line
         self.flops_per_step = (model_flops_per_token(cfg, vocab) * self.global_batch
                                * cfg.seq_length)
+        self.peak_tflops = cfg.peak_tflops or (
+            default_peak(torch.cuda.get_device_name(topo.device), cfg.bf16 or cfg.fp16)
+            if topo.device.type == "cuda" else None)
         self.stopped_by: int | None = None  # the signal that ended the run early, if any
 
     # -- one optimizer step ---------------------------------------------------------
@@ -287,12 +291,12 @@ class Trainer:
         return {
             "iteration": self.iteration,
             "consumed_tokens": self.consumed_samples * cfg.seq_length,
-            "tflops_per_s": self.flops_per_step / dt / 1e12,
+            **step_throughput(self.flops_per_step, tokens, dt, topo.world_size,
+                              self.peak_tflops),
             "loss": loss,
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens": tokens,
-            "tokens_per_s": tokens / dt,
             "step_time_s": dt,
             "peak_mem_bytes": max(per_rank),
             "peak_mem_bytes_per_rank": per_rank,
