@@ -10,14 +10,16 @@ from __future__ import annotations
 import argparse
 import os
 import typing
-from typing import Any
+
+from hla_sp.launch.errors import ConfigError
+from hla_sp.launch.resume_checks import (
+    check_load,
+    check_skip_train,
+)
 
 if typing.TYPE_CHECKING:
     from hla_sp.launch.config import TrainConfig
 
-
-class ConfigError(ValueError):
-    """A flag or flag combination that cannot work; the message says what to change."""
 
 
 def _cuda_available() -> bool:
@@ -109,9 +111,9 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     _check_schedule(cfg)
     _check_data(cfg)
     if cfg.load is not None:
-        _check_load(cfg)
+        check_load(cfg)
     if cfg.skip_train:
-        _check_skip_train(cfg)
+        check_skip_train(cfg)
     _check_intervals(cfg)
     _check_loggers(cfg)
 
@@ -254,7 +256,8 @@ def _check_data(cfg: TrainConfig) -> None:
     if cfg.data_path:
         if cfg.data != "text":
             raise ConfigError("--data-path goes with --data text; drop one of them.")
-        from hla_sp.launch.data import DatasetError, check_indexed_dataset, parse_data_path
+        from hla_sp.launch.data import DatasetError, parse_data_path
+        from hla_sp.launch.indexed_dataset import check_indexed_dataset
 
         try:  # Megatron's weighted form, 0.5 A 0.5 B, names the prefixes A and B
             prefixes = parse_data_path(cfg.data_path)[0]
@@ -342,100 +345,3 @@ def split_weights(split: str) -> tuple[float, float, float]:
     parts += [0.0] * (3 - len(parts))
     total = sum(parts)
     return parts[0] / total, parts[1] / total, parts[2] / total
-
-
-# The flags that shape the model's parameters or their files: a checkpoint written with
-# other values cannot be loaded (a size mismatch in load_state_dict on every rank).
-# The chunk size, the exchange method and the stages' precision change no parameter, and
-# the checkpoint's pieces reshard across TP, CP and DP sizes, so those may differ.
-MODEL_FLAGS = (
-    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-    "position_embedding_type", "max_position_embeddings", "vocab_size",
-    "make_vocab_size_divisible_by", "bf16", "fp16",
-)
-# Flags of the HLA group that change no parameter: they may differ on resume (the
-# modules --custom-import names only make the operator known; --attention says which).
-_FREE_HLA = ("hla_chunk_size", "hla_sp_method", "hla_precision", "custom_import")
-
-
-def _model_shape(d: dict[str, Any]) -> dict[str, Any]:
-    """The values of :data:`MODEL_FLAGS` and the HLA options of a config dict; the
-    position table's size as it is built (it defaults to --seq-length)."""
-    out = {k: d.get(k) for k in MODEL_FLAGS if k in d}
-    # a default recorded as None is the value it stands for: a run that spells the
-    # default out (--num-query-groups = heads, --ffn-hidden-size 4h, --vocab-size 257)
-    # builds the same model
-    if "num_query_groups" in out and out["num_query_groups"] is None:
-        out["num_query_groups"] = d.get("num_attention_heads")
-    if "ffn_hidden_size" in out and out["ffn_hidden_size"] is None and d.get("hidden_size"):
-        out["ffn_hidden_size"] = 4 * d["hidden_size"]
-    if "vocab_size" in out and out["vocab_size"] is None:
-        from hla_sp.launch.data import BYTE_VOCAB
-
-        out["vocab_size"] = BYTE_VOCAB
-    if d.get("position_embedding_type") == "learned_absolute":
-        out["max_position_embeddings"] = d.get("max_position_embeddings") or d.get("seq_length")
-    for k, v in (d.get("hla") or {}).items():
-        if k not in _FREE_HLA:
-            out[k] = v
-    return out
-
-
-def config_diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """``--flag SAVED (checkpoint) != NOW (this run)`` for every model flag that differs;
-    flags the checkpoint does not record (older versions) are not compared."""
-    a, b = _model_shape(saved), _model_shape(now)
-    out = []
-    for k in b:
-        if k in a and a[k] != b[k]:
-            flag = "--" + k.replace("_", "-")
-            out.append(f"{flag} {a[k]} (checkpoint) != {b[k]} (this run)")
-    return out
-
-
-def _check_skip_train(cfg: TrainConfig) -> None:
-    """--skip-train evaluates a checkpoint: it needs one in --load and writes none."""
-    from hla_sp.launch.checkpoint import CheckpointError, resume_iteration
-
-    if cfg.save is not None:
-        raise ConfigError(f"--skip-train trains and saves nothing: expected no --save, "
-                          f"got --save {cfg.save}")
-    if cfg.load is None:
-        raise ConfigError("--skip-train: expected --load naming a directory with a "
-                          "checkpoint to evaluate, got no --load")
-    try:
-        it = resume_iteration(cfg.load, cfg.ckpt_step)
-    except CheckpointError as e:
-        raise ConfigError(f"--load {cfg.load}: {e}") from None
-    if it is None:
-        raise ConfigError(f"--skip-train: expected --load naming a directory with a "
-                          f"checkpoint to evaluate, got --load {cfg.load}, which holds none")
-
-
-def _check_load(cfg: TrainConfig) -> None:
-    """--load as Megatron reads it: a missing or empty directory starts fresh (the
-    trainer says so), a checkpoint of another model is refused with the flags that differ."""
-    from hla_sp.launch.checkpoint import CheckpointError, latest_iteration, saved_config
-
-    load = cfg.load
-    assert load is not None
-    if cfg.ckpt_step is not None and not os.path.isdir(load):
-        raise ConfigError(f"--load {load} --ckpt-step {cfg.ckpt_step}: no such directory.")
-    if not os.path.isdir(load):
-        return  # nothing to resume: a fresh start, as in Megatron
-    try:
-        it = latest_iteration(load) if cfg.ckpt_step is None else cfg.ckpt_step
-        if it is None:
-            return
-        saved = saved_config(load, it)
-    except CheckpointError as e:
-        raise ConfigError(f"--load {load}: {e}") from None
-    if saved is None:
-        return
-    diff = config_diff(saved, cfg.to_dict())
-    if diff:
-        raise ConfigError(
-            f"--load {load}: the checkpoint at iteration {it} holds another model: "
-            + "; ".join(diff)
-            + ". Pass the checkpoint's values, or --save to a new directory without --load."
-        )

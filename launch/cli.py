@@ -24,7 +24,8 @@ import warnings
 
 from hla_sp.launch.checkpoint.layout import CheckpointError
 from hla_sp.launch.checkpoint.preflight_checks import nothing_to_do, preflight
-from hla_sp.launch.config import ConfigError, TrainConfig, build_parser, parse_args, validate
+from hla_sp.launch.checks import validate
+from hla_sp.launch.config import ConfigError, TrainConfig, build_parser, parse_args
 from hla_sp.launch.data import DatasetError
 from hla_sp.launch.errors import DEBUG_ENV, debug
 from hla_sp.launch.extras import require

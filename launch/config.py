@@ -23,20 +23,19 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-# Re-exported: callers import these from hla_sp.launch.config. checks.py imports nothing
-# from this module at runtime, so the order stays one-way (config -> checks).
-from hla_sp.launch.checks import (
-    MODEL_FLAGS,
-    ConfigError,
-    config_diff,
-    split_weights,
-    validate,
+# The flag error, defined with the other known errors (the checks import this module,
+# and this module imports no check: launch's modules form no circle).
+from hla_sp.launch.errors import ConfigError
+from hla_sp.launch.flags import (
+    OneLineParser,
+    RaisingParser,
+    expand_config,
+    import_user_modules,
 )
 
 __all__ = [
-    "MODEL_FLAGS", "ConfigError", "TrainConfig", "add_hla_flags", "build_parser",
-    "config_diff", "expand_config", "field_docs", "flag_names", "nearest_flag", "parse_args",
-    "split_weights", "validate", "world_size_from_env",
+    "ConfigError", "TrainConfig", "add_hla_flags", "build_parser", "field_docs", "flag_names",
+    "parse_args", "world_size_from_env",
 ]
 
 
@@ -316,54 +315,11 @@ def add_hla_flags(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(attention="hla2")
 
 
-def nearest_flag(word: str, flags: typing.Iterable[str]) -> str | None:
-    """The known flag closest to a misspelt one (``--seq-len`` -> ``--seq-length``)."""
-    import difflib
-
-    flags = list(flags)
-    name = word.split("=", 1)[0]
-    # a prefix of exactly one flag is the likeliest meaning; else the closest spelling
-    starts = [f for f in flags if f.startswith(name)]
-    if len(starts) == 1:
-        return starts[0]
-    close = difflib.get_close_matches(name, flags, n=1, cutoff=0.6)
-    return close[0] if close else None
-
-
-def one_line_error(parser: argparse.ArgumentParser, message: str) -> str:
-    """argparse's message with "did you mean" for each unrecognized flag, on one line."""
-    if message.startswith("unrecognized arguments:"):
-        flags = [f for f in parser._option_string_actions if f.startswith("--")]
-        hints = []
-        for word in message.split(":", 1)[1].split():
-            if word.startswith("-"):
-                near = nearest_flag(word, flags)
-                hints.append(f"{word}: did you mean {near}?" if near else f"{word}: unknown")
-        if hints:
-            message += " (" + "; ".join(hints) + ")"
-    return message + f" ({parser.prog} --help lists every flag)"
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """Errors in one line with the nearest flag, not the 60-line usage argparse prints."""
-
-    def error(self, message: str) -> typing.NoReturn:
-        self.exit(2, f"{self.prog}: error: {one_line_error(self, message)}\n")
-
-
-class _RaisingParser(argparse.ArgumentParser):
-    """A parser whose errors raise :class:`ConfigError` instead of printing usage and
-    exiting (for callers such as the sweep, which name their own file and key)."""
-
-    def error(self, message: str) -> typing.NoReturn:
-        raise ConfigError(one_line_error(self, message))
-
-
 def build_parser(
     prog: str = "hla_sp.launch.train", raise_errors: bool = False
 ) -> argparse.ArgumentParser:
     """The trainer's argument parser, generated from :class:`TrainConfig`."""
-    parser = (_RaisingParser if raise_errors else _OneLineParser)(
+    parser = (RaisingParser if raise_errors else OneLineParser)(
         prog=prog,
         description="Train a megatron-core GPT with HLA attention and context parallelism.",
         allow_abbrev=False,  # as Megatron's parser: no prefix surprises between flags
@@ -402,133 +358,6 @@ def build_parser(
     return parser
 
 
-def _toml_values(path: str, parser: argparse.ArgumentParser) -> dict[str, tuple[str, Any]]:
-    """A TOML run file's values by flag destination: ``{dest: (key, value)}``, in file
-    order. Tables only group keys, so a key given twice (in two tables, or spelt with -
-    and _) is refused, naming both places; an unknown key names the nearest flag."""
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except OSError as e:
-        raise ConfigError(f"--config {path}: cannot read it ({e.strerror or e})") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"--config {path}: not valid TOML ({e})") from None
-    items: list[tuple[str, str, Any]] = []  # (where, key, value)
-    for k, v in data.items():  # tables group keys; their keys are flags like the rest
-        if isinstance(v, dict):
-            items += [(f"[{k}]", kk, vv) for kk, vv in v.items()]
-        else:
-            items.append(("the top level", k, v))
-    flags = {a.dest: a for a in parser._actions if a.option_strings}
-    out: dict[str, tuple[str, Any]] = {}
-    seen: dict[str, str] = {}
-    for where, key, value in items:
-        dest = key.replace("-", "_")
-        action = flags.get(dest)
-        if action is None or dest in ("config", "help"):
-            near = nearest_flag("--" + dest.replace("_", "-"),
-                                [f for f in parser._option_string_actions if f != "--config"])
-            hint = f"; did you mean {near.lstrip('-')}?" if near else ""
-            raise ConfigError(f"--config {path}: unknown key {key!r}{hint}")
-        if dest in seen:
-            raise ConfigError(
-                f"--config {path}: {dest} is given twice, as {seen[dest]} and as {key!r} in "
-                f"{where}; expected each key once (tables only group keys), keep one")
-        seen[dest] = f"{key!r} in {where}"
-        out[dest] = (key, value)
-    return out
-
-
-def _toml_tokens(path: str, values: dict[str, tuple[str, Any]],
-                 parser: argparse.ArgumentParser) -> list[str]:
-    """TOML values as command-line tokens (``seq_length = 4096`` -> ``--seq-length=4096``).
-    A value is always a value: scalars go as ``--flag=VALUE``, and a list element that
-    reads as a flag is refused, so that no value can add a flag of its own."""
-    flags = {a.dest: a for a in parser._actions if a.option_strings}
-    out: list[str] = []
-    for dest, (key, value) in values.items():
-        action = flags[dest]
-        flag = action.option_strings[0]
-        if isinstance(value, bool):
-            if isinstance(action, argparse._StoreTrueAction):
-                out += [flag] if value else []
-                continue
-            # a --hla-x / --no-hla-x pair: the flag for this value
-            want = "--" + ("" if value else "no-") + dest.replace("_", "-")
-            if want not in parser._option_string_actions:
-                raise ConfigError(f"--config {path}: {key} takes a value, got {value!r}")
-            out.append(want)
-        elif isinstance(value, list):
-            for v in value:
-                if isinstance(v, (list, dict, bool)):
-                    raise ConfigError(f"--config {path}: {key}: expected a list of plain "
-                                      f"values, got an element {v!r}")
-                if str(v).startswith("-") and not _is_number(str(v)):
-                    raise ConfigError(
-                        f"--config {path}: {key}: expected values, got {str(v)!r}, which reads "
-                        f"as a flag; give each flag as a key of its own")
-            out += [flag, *map(str, value)]
-        elif isinstance(value, dict):
-            raise ConfigError(f"--config {path}: {key}: tables nest one level, got a table")
-        else:
-            out.append(f"{flag}={value}")  # one token: the value cannot be read as a flag
-    try:  # the values too, while the file can still be named
-        parser.parse_args(out)
-    except (ConfigError, SystemExit) as e:
-        raise ConfigError(f"--config {path}: {e}") from None
-    return out
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _toml_flags(path: str, parser: argparse.ArgumentParser) -> list[str]:
-    """One TOML run file as command-line tokens, checked against the parser; errors name
-    the file and the key."""
-    return _toml_tokens(path, _toml_values(path, parser), parser)
-
-
-def expand_config(argv: list[str], prog: str = "hla_sp.launch.train") -> list[str]:
-    """``argv`` with every ``--config FILE`` replaced by the files' flags, put first so
-    that the command line's own flags override them (argparse keeps the last value).
-    Several files merge in the order given, a later file's value replacing an earlier
-    one's (a ``false`` included)."""
-    paths: list[str] = []
-    rest: list[str] = []
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        if a == "--config" or a.startswith("--config="):
-            path = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
-            if not path or (path.startswith("-") and "=" not in a):
-                raise ConfigError("--config: expected a TOML file, got nothing")
-            paths.append(path)
-            i += 1 if "=" in a else 2
-            continue
-        rest.append(a)
-        i += 1
-    if not paths:
-        return argv
-    parser = build_parser(prog, raise_errors=True)
-    merged: dict[str, tuple[str, Any]] = {}
-    for path in paths:
-        values = _toml_values(path, parser)
-        _toml_tokens(path, values, parser)  # each file's values checked under its own name
-        for dest, kv in values.items():
-            merged.pop(dest, None)  # the later file's value, in its place in the order
-            merged[dest] = kv
-    return [*_toml_tokens(" + ".join(paths), merged, parser), *rest]
-
-
 def parse_args(
     argv: list[str] | None = None, raise_errors: bool = False, prog: str = "hla_sp.launch.train"
 ) -> TrainConfig:
@@ -542,7 +371,7 @@ def parse_args(
         # The user's modules first (in the launcher and in every worker): the operators
         # they register are --attention's choices, so they must exist before any parser.
         import_user_modules(argv)
-        argv = expand_config(argv, prog)
+        argv = expand_config(argv, lambda: build_parser(prog, raise_errors=True))
         import_user_modules(argv)  # and those a --config file names
     except ConfigError as e:
         if raise_errors:
@@ -553,17 +382,6 @@ def parse_args(
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     hla = {k: v for k, v in ns.items() if k not in names}
     return TrainConfig(**{k: v for k, v in ns.items() if k in names}, hla=hla)
-
-
-def import_user_modules(argv: list[str]) -> None:
-    """Import the modules ``argv`` names with ``--custom-import`` (torchtitan's
-    ``experimental.custom_import``); a failure is a :class:`ConfigError` naming one."""
-    from hla_sp.megatron_patch.args import custom_imports, import_custom
-
-    try:
-        import_custom(custom_imports(argv))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
 
 
 def flag_names() -> dict[str, str]:

@@ -24,6 +24,14 @@ REPORT_ENV = "HLA_SP_REPORT_DIR"
 KNOWN_EXIT = 2
 
 
+class ConfigError(ValueError):
+    """A flag or flag combination that cannot work; the message says what to change."""
+
+
+class DatasetError(ValueError):
+    """A Megatron indexed dataset file that cannot be read; the message names the file."""
+
+
 def debug() -> bool:
     """Whether tracebacks were asked for (``HLA_SP_DEBUG`` set to anything but 0/empty)."""
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
@@ -33,8 +41,6 @@ def known_kinds() -> tuple[type[BaseException], ...]:
     """The errors whose message says everything (a flag, a checkpoint, a data file):
     reported in one line, without a traceback or a diagnosis of the peers."""
     from hla_sp.launch.checkpoint.layout import CheckpointError
-    from hla_sp.launch.checks import ConfigError
-    from hla_sp.launch.data import DatasetError
 
     return (ConfigError, CheckpointError, DatasetError)
 

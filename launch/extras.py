@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from hla_sp.launch.config import ConfigError
+from hla_sp.launch.errors import ConfigError
 
 # extra -> (module that proves it is installed, what it is)
 EXTRAS: dict[str, tuple[str, str]] = {

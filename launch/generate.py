@@ -46,9 +46,9 @@ class GenerateError(RuntimeError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hla_sp.launch.config import _OneLineParser  # a bad flag in one line, no usage
+    from hla_sp.launch.flags import OneLineParser  # a bad flag in one line, no usage
 
-    p = _OneLineParser(
+    p = OneLineParser(
         prog="hla-sp generate", allow_abbrev=False,
         description="Sample from a checkpoint of hla-sp train: prefill the prompt, then "
                     "decode one token at a time with each HLA layer's recurrent state.")

@@ -45,7 +45,8 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-from hla_sp.launch.config import ConfigError, TrainConfig, validate
+from hla_sp.launch.checks import validate
+from hla_sp.launch.config import ConfigError, TrainConfig
 
 # Re-exported: the sweep's file checks are imported from here (tests, docs).
 from hla_sp.launch.sweep_config import (

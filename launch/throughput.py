@@ -31,6 +31,18 @@ def default_peak(device_name: str | None, half: bool) -> float | None:
     return None
 
 
+def peak_tflops(given: float | None, device: Any, half: bool) -> float | None:
+    """``--peak-tflops`` if given, else the table's peak for a CUDA ``device`` (a
+    ``torch.device``), else None."""
+    if given:
+        return given
+    if getattr(device, "type", None) != "cuda":
+        return None
+    import torch
+
+    return default_peak(torch.cuda.get_device_name(device), half)
+
+
 def step_throughput(flops_per_step: float, tokens: int, seconds: float, world_size: int,
                     peak_tflops: float | None) -> dict[str, Any]:
     """The iteration record's throughput: TFLOP/s and tokens/s per rank and in total, and

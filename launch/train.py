@@ -36,12 +36,8 @@ warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
 import torch.distributed as dist  # noqa: E402
 from hla_sp.launch import checkpoint, faults, metrics, signals  # noqa: E402
 from hla_sp.launch.checkpoint.preflight_checks import nothing_to_do  # noqa: E402
-from hla_sp.launch.config import (  # noqa: E402
-    TrainConfig,
-    parse_args,
-    validate,
-    world_size_from_env,
-)
+from hla_sp.launch.checks import validate  # noqa: E402
+from hla_sp.launch.config import TrainConfig, parse_args, world_size_from_env  # noqa: E402
 from hla_sp.launch.distributed import Topology, init_distributed, shutdown  # noqa: E402
 from hla_sp.launch.trainer import NonFiniteError, Trainer  # noqa: E402
 

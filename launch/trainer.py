@@ -27,12 +27,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from hla_sp.launch import checkpoint, faults, metrics, signals
-from hla_sp.launch.config import TrainConfig, split_weights
+from hla_sp.launch.checks import split_weights
+from hla_sp.launch.config import TrainConfig
 from hla_sp.launch.data import build_samples, infer_vocab_size, microbatches
 from hla_sp.launch.distributed import Topology
 from hla_sp.launch.nonfinite import NonFiniteError, checkpoint_finite, non_finite, stop_line
 from hla_sp.launch.precision import LossScaler, MasterWeights
-from hla_sp.launch.throughput import default_peak, step_throughput
+from hla_sp.launch.throughput import peak_tflops, step_throughput
 
 
 def _param_groups(masters: MasterWeights, weight_decay: float) -> list[dict[str, Any]]:
@@ -134,9 +135,7 @@ class Trainer:
         # model FLOPs of one step (recompute not counted): the TFLOP/s of the progress line
         self.flops_per_step = (model_flops_per_token(cfg, vocab) * self.global_batch
                                * cfg.seq_length)
-        self.peak_tflops = cfg.peak_tflops or (
-            default_peak(torch.cuda.get_device_name(topo.device), cfg.bf16 or cfg.fp16)
-            if topo.device.type == "cuda" else None)
+        self.peak_tflops = peak_tflops(cfg.peak_tflops, topo.device, cfg.bf16 or cfg.fp16)
         self.stopped_by: int | None = None  # the signal that ended the run early, if any
 
     # -- one optimizer step ---------------------------------------------------------

@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from hla_sp.launch.config import ConfigError, TrainConfig, flag_names, parse_args, validate
+from hla_sp.launch.checks import validate
+from hla_sp.launch.config import ConfigError, TrainConfig, flag_names, parse_args
 from hla_sp.launch.local import _env
 
 ROOT = Path(__file__).resolve().parents[1]

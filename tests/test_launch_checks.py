@@ -16,8 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from hla_sp.launch import checkpoint, faults
+from hla_sp.launch.checks import validate
 from hla_sp.launch.cli import main as cli_main
-from hla_sp.launch.config import ConfigError, parse_args, validate
+from hla_sp.launch.config import ConfigError, parse_args
 
 # --- flags ------------------------------------------------------------------------
 

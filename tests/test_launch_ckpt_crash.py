@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import torch
 from hla_sp.launch import checkpoint, faults
-from hla_sp.launch.config import ConfigError, parse_args, validate
+from hla_sp.launch.checks import validate
+from hla_sp.launch.config import ConfigError, parse_args
 from hla_sp.launch.local import run_local
 
 TINY = [

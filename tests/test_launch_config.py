@@ -8,7 +8,8 @@ import sys
 
 import pytest
 import torch.distributed as dist
-from hla_sp.launch.config import ConfigError, build_parser, parse_args, validate
+from hla_sp.launch.checks import validate
+from hla_sp.launch.config import ConfigError, build_parser, parse_args
 
 HLA_SP = os.path.join(os.path.dirname(sys.executable), "hla-sp")
 

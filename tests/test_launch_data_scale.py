@@ -11,17 +11,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hla_sp.launch import data
-from hla_sp.launch.config import ConfigError, parse_args, validate
+from hla_sp.launch import indexed_dataset
+from hla_sp.launch.checks import validate
+from hla_sp.launch.config import ConfigError, parse_args
 from hla_sp.launch.data import (
     BlendedSamples,
     DatasetError,
     IndexedTokens,
     build_samples,
-    check_indexed_dataset,
     infer_vocab_size,
     parse_data_path,
 )
+from hla_sp.launch.indexed_dataset import check_indexed_dataset
 from hla_sp.launch.make_dataset import write_synthetic
 
 HEADER = 34
@@ -71,8 +72,8 @@ def test_open_is_flat_in_the_number_of_sequences(
     blocks, not per-sequence arrays or objects; the stream's length is O(1) state."""
     prefix = str(tmp_path / "m")
     write_synthetic(prefix, 1_000_000, 3)
-    monkeypatch.setattr(data, "VALIDATE_BLOCK", 1 << 14)
-    data._CHECKED.clear()
+    monkeypatch.setattr(indexed_dataset, "VALIDATE_BLOCK", 1 << 14)
+    indexed_dataset._CHECKED.clear()
     import megatron.core.datasets.indexed_dataset  # noqa: F401  (imports are not the open)
 
     tracemalloc.start()
@@ -92,7 +93,7 @@ def test_open_is_flat_in_the_number_of_sequences(
 def _valid_small(tmp_path: Path) -> str:
     prefix = str(tmp_path / "c")
     write_synthetic(prefix, 8, 4)  # 8 sequences of 4 uint16 tokens
-    data._CHECKED.clear()
+    indexed_dataset._CHECKED.clear()
     return prefix
 
 
@@ -117,7 +118,7 @@ CRAFTED = {
 def test_crafted_index_refused_by_name(tmp_path: Path, case: str) -> None:
     prefix = _valid_small(tmp_path)
     check_indexed_dataset(prefix)
-    data._CHECKED.clear()
+    indexed_dataset._CHECKED.clear()
     offset, fmt, value, needle = CRAFTED[case]
     _patch(prefix + ".idx", offset, fmt, value)
     with pytest.raises(DatasetError) as e:
@@ -160,7 +161,7 @@ def test_the_bin_is_never_scanned(tmp_path: Path) -> None:
     with open(prefix + ".bin", "r+b") as f:
         f.seek(2 * 900)
         f.write(struct.pack("<H", 50000))
-    assert infer_vocab_size("text", [prefix]) == data.BYTE_VOCAB  # no scan
+    assert infer_vocab_size("text", [prefix]) == indexed_dataset.BYTE_VOCAB  # no scan
     stream = IndexedTokens([prefix], vocab_size=257)
     assert stream.read(0, 100).tolist() == [7] * 100
     with pytest.raises(DatasetError) as e:

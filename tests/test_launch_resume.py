@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from hla_sp.launch import checkpoint
-from hla_sp.launch.config import ConfigError, parse_args, validate
+from hla_sp.launch.checks import validate
+from hla_sp.launch.config import ConfigError, parse_args
 from hla_sp.launch.local import _env, read_jsonl, torchrun_argv
 from hla_sp.launch.precision import LossScaler
 from hla_sp.launch.train import run

@@ -16,7 +16,8 @@ import pytest
 import torch
 from hla_sp.launch import generate as gen
 from hla_sp.launch import signals
-from hla_sp.launch.config import ConfigError, config_diff, parse_args
+from hla_sp.launch.config import ConfigError, parse_args
+from hla_sp.launch.resume_checks import config_diff
 
 # --- the resume line -----------------------------------------------------------------------
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from hla_sp.launch import cli, estimate, metrics
-from hla_sp.launch.config import ConfigError, build_parser, flag_names, parse_args, validate
+from hla_sp.launch.checks import validate
+from hla_sp.launch.config import ConfigError, build_parser, flag_names, parse_args
 from hla_sp.launch.local import _env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,6 +53,8 @@ def test_torchrun_underscore_spellings_are_accepted(capsys: pytest.CaptureFixtur
 
 def _value_for(action: argparse.Action) -> object:
     """A value other than the default for every kind of trainer flag."""
+    if action.dest == "custom_import":
+        return "json"  # a module to import: one that registers nothing
     if isinstance(action, argparse._StoreTrueAction):
         return True
     if isinstance(action, argparse.BooleanOptionalAction):
@@ -197,7 +200,11 @@ def test_oom_is_one_line_of_advice_without_a_traceback(
             train.run(parse_args(["--train-iters", "2"]), exit_on_error=False)
     finally:
         # run() re-raises without shutting the group down (a Ray worker's process ends
-        # next); this process goes on to other tests, which start groups of their own
+        # next); this process goes on to other tests, which start groups of their own,
+        # Megatron's model-parallel groups included
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     err = capsys.readouterr().err
@@ -221,10 +228,10 @@ def test_weights_are_created_on_the_device_on_cuda() -> None:
 def test_progress_line_has_tokens_elapsed_eta_and_tflops() -> None:
     rec = {"iteration": 10, "loss": 3.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1e4,
            "step_time_s": 0.5, "peak_mem_bytes": 2**30, "peak_mem_bytes_per_rank": [2**30] * 2,
-           "consumed_tokens": 1_310_720, "tflops_per_s": 0.5, "elapsed_s": 125.0,
-           "eta_s": 3725.0}
+           "consumed_tokens": 1_310_720, "tflops_per_rank": 0.25, "tflops_total": 0.5,
+           "elapsed_s": 125.0, "eta_s": 3725.0}
     line = metrics.progress_line(rec, 40)
-    assert "0.25 TFLOP/s per rank" in line and "1.31M tokens" in line
+    assert "0.25 TFLOP/s per rank (0.5 total)" in line and "1.31M tokens" in line
     assert "elapsed 2m05s, ETA 1h02m" in line
 
 

@@ -41,3 +41,11 @@ def test_every_sink_shows_the_per_rank_figures_and_the_total() -> None:
     assert "0.25 TFLOP/s per rank (4 total)" in line and "MFU 0.0%" in line
     for key in ("tflops_per_rank", "tflops_total", "tokens_per_s_per_rank", "mfu"):
         assert key in metrics.SCALARS  # TensorBoard and W&B names
+
+
+def test_peak_is_the_flag_else_a_known_gpus_else_none() -> None:
+    import torch
+    from hla_sp.launch.throughput import peak_tflops
+
+    assert peak_tflops(123.0, torch.device("cpu"), True) == 123.0
+    assert peak_tflops(None, torch.device("cpu"), True) is None

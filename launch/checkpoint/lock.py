@@ -30,7 +30,7 @@ import time
 import uuid
 from typing import Any
 
-from hla_sp.launch.checks import ConfigError
+from hla_sp.launch.errors import ConfigError
 
 LOCK = "save.lock"
 # the schedulers' job ids, first found wins

@@ -83,7 +83,7 @@ def check_save_dir(cfg: Any) -> None:
     ``--keep-last`` >= 1, and free space for one checkpoint at the current size (the
     newest one in --load or --save, else an estimate from the model). Raises
     ``ConfigError`` with the number."""
-    from hla_sp.launch.checks import ConfigError
+    from hla_sp.launch.errors import ConfigError
 
     save, keep = cfg.save, getattr(cfg, "keep_last", None)
     if keep is not None and (isinstance(keep, bool) or keep < 1):
@@ -178,7 +178,7 @@ def check_resume_schedule(cfg: Any) -> None:
     """Megatron's rule on resume: a changed learning-rate schedule is refused with the
     diff, unless --override-opt_param-scheduler (this run's flags win) or
     --use-checkpoint-opt_param-scheduler (the checkpoint's schedule wins) says which."""
-    from hla_sp.launch.checks import ConfigError
+    from hla_sp.launch.errors import ConfigError
 
     override = getattr(cfg, "override_opt_param_scheduler", False)
     use_ckpt = getattr(cfg, "use_checkpoint_opt_param_scheduler", False)
@@ -245,7 +245,7 @@ def check_resume_layout(cfg: Any) -> None:
     """A checkpoint of the first format (one file per TP rank) resumes only at the TP
     size that wrote it: refused here, before any process group, saying how to convert
     it. The current format loads at any TP, CP and DP size."""
-    from hla_sp.launch.checks import ConfigError
+    from hla_sp.launch.errors import ConfigError
 
     try:
         it = resume_iteration(cfg.load, cfg.ckpt_step)
