@@ -59,11 +59,6 @@ def install(graceful: bool) -> None:
         signal.signal(signal.SIGTERM, _graceful)
 
 
-def requested() -> int | None:
-    """The signal this process received, if any (graceful mode)."""
-    return _requested
-
-
 def agreed(device: torch.device) -> int:
     """The signal any rank received (0 if none): every rank stops after the same
     iteration, even when the signal reached only some of them."""

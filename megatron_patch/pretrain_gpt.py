@@ -51,9 +51,9 @@ from hla_sp.megatron_patch.routing import (
 )
 
 __all__ = [
-    "ARGS_DEFAULTS", "EXIT_BAD_FLAGS", "EXIT_NO_MEGATRON_TRAINING", "Trainer", "check_args",
-    "extra_args", "hla_route", "layer_spec_from_args", "main", "missing_training_message",
-    "prescan", "resolve_spec", "run",
+    "ARGS_DEFAULTS", "EXIT_BAD_FLAGS", "EXIT_NO_MEGATRON_TRAINING", "MegatronProviders",
+    "check_args", "extra_args", "hla_route", "layer_spec_from_args", "main",
+    "missing_training_message", "prescan", "resolve_spec", "run",
 ]
 
 EXIT_BAD_FLAGS = 2
@@ -84,8 +84,9 @@ def _filter_kwargs(fn: Callable, kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k in params}
 
 
-class Trainer:
-    """The providers handed to ``megatron.training.pretrain``."""
+class MegatronProviders:
+    """The providers handed to ``megatron.training.pretrain`` (model, datasets, the
+    forward step): Megatron-LM's loop trains; this only builds what it asks for."""
 
     def __init__(self, ns: argparse.Namespace, user_spec: Any = None):
         self.ns = ns
@@ -267,14 +268,14 @@ def run(ns: argparse.Namespace, user_spec: Any = None) -> None:
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
 
-    trainer = Trainer(ns, user_spec)
-    datasets = partial(Trainer.datasets_provider, trainer)
+    providers = MegatronProviders(ns, user_spec)
+    datasets = partial(MegatronProviders.datasets_provider, providers)
     datasets.is_distributed = True  # type: ignore[attr-defined]  # as Megatron's script says
     route = pretrain_api(pretrain)
     print(f"> megatron.training.pretrain: the {route!r} API", flush=True)
     if route == "legacy":  # <= 0.17: pretrain parses the flags itself
-        pretrain(datasets, trainer.model_provider, ModelType.encoder_or_decoder,
-                 trainer.forward_step, extra_args_provider=extra_args,
+        pretrain(datasets, providers.model_provider, ModelType.encoder_or_decoder,
+                 providers.forward_step, extra_args_provider=extra_args,
                  args_defaults=ARGS_DEFAULTS)
         return
     # 0.18 and 0.19+: the flags are parsed here into a config container.
@@ -283,18 +284,18 @@ def run(ns: argparse.Namespace, user_spec: Any = None) -> None:
 
     args = parse_and_validate_args(extra_args_provider=extra_args, args_defaults=ARGS_DEFAULTS)
     check_hla_args(args)
-    check_args(args, trainer.route)
+    check_args(args, providers.route)
     if route == "provider":  # 0.18: the container, then the usual providers
         cfg = argument_utils.pretrain_cfg_container_from_args(args)
-        pretrain(cfg, datasets, trainer.model_provider, ModelType.encoder_or_decoder,
-                 trainer.forward_step)
+        pretrain(cfg, datasets, providers.model_provider, ModelType.encoder_or_decoder,
+                 providers.forward_step)
         return
     # 0.19+: the spec goes into the model config, whose builder makes the model;
     # forward_step checks it on its first call.
     model_cfg = argument_utils.gpt_config_from_args(args)
     model_cfg.transformer_layer_spec = layer_spec_from_args(args, user_spec)
     cfg = argument_utils.pretrain_cfg_container_from_args(args, model_cfg)
-    pretrain(cfg, datasets, ModelType.encoder_or_decoder, trainer.forward_step)
+    pretrain(cfg, datasets, ModelType.encoder_or_decoder, providers.forward_step)
 
 
 # a % that is not argparse's own %(name)s nor an escaped %%: "...10%)" in one of
