@@ -93,28 +93,32 @@ def _check_ranges(cfg: TrainConfig) -> None:
             )
 
 
-def validate(cfg: TrainConfig, world_size: int) -> None:
+def validate(cfg: TrainConfig, world_size: int, *, offline: bool = False) -> None:
     """Reject configs that cannot run on ``world_size`` ranks; say what to change.
 
     Pure: touches no process group, so torchrun's workers (and ``hla-sp train``, before
-    it starts torchrun) call it first.
+    it starts torchrun) call it first. ``offline`` (``--dry-run``, planning a cluster
+    job from a login node): the flags alone, with no data file, checkpoint or installed
+    logger read, and what CUDA allows (RoPE) allowed on a machine without it.
     """
     _check_world_size(world_size)
     _check_ranges(cfg)
     _check_parallel_layout(cfg, world_size)
     _check_heads(cfg)
     _check_batch(cfg, world_size)
-    _check_precision_and_device(cfg)
+    _check_precision_and_device(cfg, offline)
     split_weights(cfg.split)
     _check_position_table(cfg)
     _check_attention(cfg)
     _check_schedule(cfg)
+    _check_intervals(cfg)
+    if offline:
+        return
     _check_data(cfg)
     if cfg.load is not None:
         check_load(cfg)
     if cfg.skip_train:
         check_skip_train(cfg)
-    _check_intervals(cfg)
     _check_loggers(cfg)
 
 
@@ -182,10 +186,10 @@ def _check_batch(cfg: TrainConfig, world_size: int) -> None:
         )
 
 
-def _check_precision_and_device(cfg: TrainConfig) -> None:
+def _check_precision_and_device(cfg: TrainConfig, offline: bool = False) -> None:
     if cfg.bf16 and cfg.fp16:
         raise ConfigError("--bf16 and --fp16 exclude each other; pass one of them.")
-    if cfg.position_embedding_type == "rope" and not _cuda_available():
+    if cfg.position_embedding_type == "rope" and not offline and not _cuda_available():
         raise ConfigError(
             "--position-embedding-type rope: megatron-core's rotary embedding runs on the "
             "current CUDA device, and this machine has none; on CPU use learned_absolute "

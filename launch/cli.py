@@ -93,6 +93,9 @@ def _launcher_flags(ap: argparse.ArgumentParser | argparse._ArgumentGroup) -> No
     add("--rdzv-backend", default="c10d", help="torchrun rendezvous backend.")
     add("--rdzv-id", default="hla-sp", help="Job id shared by all nodes.")
     add("--max-restarts", type=int, default=0, help="torchrun worker-group restarts.")
+    add("--device-memory", type=float, default=None, metavar="GIB",
+        help="With --dry-run: the memory of one accelerator to plan for, in GiB (default: "
+             "the visible GPU's, else 80).")
     add("--standalone", action="store_true",
         help="Accepted for torchrun's sake: one node without --rdzv-endpoint is standalone.")
     add("--debug", action="store_true",
@@ -117,17 +120,20 @@ def train_help() -> str:
     return p.format_help()
 
 
-def _vocab(cfg: TrainConfig) -> int | None:
-    """The vocabulary the trainer will use (--vocab-size, else read from --data-path as
-    the trainer does), None where it cannot be read here."""
-    if cfg.vocab_size or not cfg.data_path:
+def planned_vocab(cfg: TrainConfig) -> int:
+    """The vocabulary ``--dry-run`` plans with, from the flags alone: ``--vocab-size``, or
+    the byte-level vocabulary of the built-in data; with ``--data-path`` and no
+    ``--vocab-size``, a :class:`ConfigError` (the planner opens no data file)."""
+    if cfg.vocab_size:
         return cfg.vocab_size
-    try:
-        from hla_sp.launch.data import infer_vocab_size
+    if cfg.data_path:
+        raise ConfigError(
+            f"--dry-run: expected --vocab-size with --data-path (the plan reads no data file, "
+            f"so it cannot see the tokenizer's vocabulary: pass it, e.g. --vocab-size 50257 "
+            f"for GPT-2's), got --data-path {' '.join(cfg.data_path)} alone")
+    from hla_sp.launch.data import BYTE_VOCAB
 
-        return infer_vocab_size(cfg.data, cfg.data_path)
-    except Exception:  # the estimate falls back to the byte vocabulary
-        return None
+    return BYTE_VOCAB
 
 
 def _train(argv: list[str]) -> int:
@@ -147,12 +153,19 @@ def _train(argv: list[str]) -> int:
         require("megatron", "hla-sp train")  # one line here, not a traceback per rank
         nnodes = _check_launch(launch)
         cfg = parse_args(rest, raise_errors=True, prog="hla-sp train")
-        validate(cfg, launch.nproc_per_node * nnodes)
-        # the checkpoint checks here too, before torchrun starts: one line, not one per
-        # rank followed by torchrun's failure summary
-        preflight(cfg)
-        done = nothing_to_do(cfg, ["hla-sp", "train", *argv])
+        # --dry-run plans from the flags alone (a login node has no /data, no GPU)
+        validate(cfg, launch.nproc_per_node * nnodes, offline=launch.dry_run)
+        done = None
+        if not launch.dry_run:
+            # the checkpoint checks here too, before torchrun starts: one line, not one per
+            # rank followed by torchrun's failure summary
+            preflight(cfg)
+            done = nothing_to_do(cfg, ["hla-sp", "train", *argv])
         cmd = torchrun_command(launch, rest)
+        if launch.dry_run:
+            from hla_sp.launch.estimate import planned_device_memory
+
+            vocab, device = planned_vocab(cfg), planned_device_memory(launch.device_memory)
     except (ConfigError, CheckpointError, DatasetError) as e:
         if debug():
             raise
@@ -162,10 +175,11 @@ def _train(argv: list[str]) -> int:
         print(done, flush=True)  # a finished run: start nothing
         return 0
     if launch.dry_run:
-        from hla_sp.launch.estimate import device_memory_bytes, summary
+        from hla_sp.launch.estimate import summary
 
-        for line in summary(cfg, launch.nproc_per_node * nnodes, vocab=_vocab(cfg),
-                            device=device_memory_bytes(launch.nproc_per_node)):
+        source = "--vocab-size" if cfg.vocab_size else "the byte-level default"
+        print(f"plan: vocabulary {vocab:,} ({source}), {device[1]} per rank")
+        for line in summary(cfg, launch.nproc_per_node * nnodes, vocab=vocab, device=device):
             print(line)
         print(" ".join(cmd))
         return 0

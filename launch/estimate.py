@@ -25,7 +25,6 @@ and an upper bound without recompute (Megatron's figure assumes nothing is fused
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -144,19 +143,28 @@ def estimate(cfg: TrainConfig, world_size: int, vocab: int | None = None) -> Est
     )
 
 
-def device_memory_bytes(nproc_per_node: int = 1) -> tuple[int, str] | None:
-    """(bytes one rank may use, what they are): the GPU's memory on CUDA, else this
-    machine's RAM shared by the ranks of one node; None where unknown."""
+# What --dry-run plans for without --device-memory or a visible GPU: an 80 GiB device,
+# the memory of the usual training accelerators (A100 80GB, H100), said in the plan.
+PLANNED_DEVICE_GIB = 80
+
+
+def planned_device_memory(gib: float | None) -> tuple[int, str]:
+    """(bytes, what they are) of the accelerator ``--dry-run`` plans for: ``--device-memory``,
+    else the visible GPU's memory, else an assumed 80 GiB device. Never the host's RAM:
+    a plan made on a login node is for the cluster's accelerators."""
     import torch
 
+    if gib is not None:
+        if not gib > 0:
+            from hla_sp.launch.errors import ConfigError
+
+            raise ConfigError(f"--device-memory: expected GiB > 0, got {gib:g}")
+        return int(gib * GIB), f"--device-memory {gib:g} GiB"
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        return int(props.total_memory), f"{props.name}'s memory"
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-    return ram // max(nproc_per_node, 1), f"this machine's RAM / {nproc_per_node} ranks"
+        return int(props.total_memory), f"{props.name}'s {props.total_memory / GIB:.0f} GiB"
+    return PLANNED_DEVICE_GIB * GIB, (f"an assumed {PLANNED_DEVICE_GIB} GiB accelerator "
+                                      f"(--device-memory sets it)")
 
 
 def _g(n: float) -> str:

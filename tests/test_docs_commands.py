@@ -102,10 +102,14 @@ def test_quick_start_rope_line_is_refused_on_cpu_in_one_line(
 
     # the refusal is for machines without CUDA: be one, on a GPU machine too
     monkeypatch.setattr(checks, "_cuda_available", lambda: False)
+    monkeypatch.setattr(cli.os, "execv", lambda *a: pytest.fail("torchrun was started"))
     (argv,) = [c for c in _commands("docs/megatron.md", "hla-sp train") if "rope" in c]
-    assert cli.main(["train", "--dry-run", *_substitute(argv[2:], dataset, tmp_path)]) == 2
+    flags = _substitute(argv[2:], dataset, tmp_path)
+    assert cli.main(["train", *flags]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "rope" in err and "learned_absolute" in err
+    # planned for the cluster (--dry-run), the same line is what CUDA allows
+    assert cli.main(["train", "--dry-run", *flags]) == 0
 
 
 def test_make_demo_line_passes_dry_run() -> None:

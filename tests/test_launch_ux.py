@@ -138,13 +138,12 @@ def test_dry_run_prints_counts_memory_and_flops(capsys: pytest.CaptureFixture) -
     assert "warning: the position table (4.19 M) holds more parameters" in out
 
 
-def test_dry_run_warns_when_memory_exceeds_the_device(
-        capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(estimate, "device_memory_bytes", lambda n: (2**30, "a 1 GiB device"))
-    assert cli.main(["train", "--dry-run", "--seq-length", "65536", "--hidden-size", "256",
-                     "--num-attention-heads", "4", "--position-embedding-type", "none"]) == 0
+def test_dry_run_warns_when_memory_exceeds_the_device(capsys: pytest.CaptureFixture) -> None:
+    assert cli.main(["train", "--dry-run", "--device-memory", "1", "--seq-length", "65536",
+                     "--hidden-size", "256", "--num-attention-heads", "4",
+                     "--position-embedding-type", "none"]) == 0
     warn = [x for x in capsys.readouterr().out.splitlines() if "exceeds" in x]
-    assert len(warn) == 1 and "a 1 GiB device" in warn[0]
+    assert len(warn) == 1 and "--device-memory 1 GiB" in warn[0]
     assert "--recompute-granularity full gives" in warn[0] or "--context-parallel-size" in warn[0]
 
 
@@ -371,3 +370,28 @@ def test_stray_percent_in_megatron_help_is_escaped() -> None:
     with help_fixes():
         text = p.format_help()
     assert "10%)" in text and "--attention" in text and "--hla-decay" in text
+
+
+README_CLUSTER = [
+    "--nnodes", "2", "--nproc-per-node", "8", "--rdzv-endpoint", "HOST:29500",
+    "--context-parallel-size", "16", "--seq-length", "1048576", "--num-layers", "24",
+    "--hidden-size", "2048", "--num-attention-heads", "16", "--position-embedding-type",
+    "rope", "--bf16", "--recompute-granularity", "full", "--train-iters", "20000",
+    "--data-path", "/data/corpus_text_document", "--save", "/ckpt/run1", "--load", "/ckpt/run1",
+]
+
+
+def test_dry_run_plans_a_cluster_job_offline(capsys: pytest.CaptureFixture) -> None:
+    """From a machine without the data, the checkpoint directory or CUDA: the plan opens
+    no file, allows RoPE and bf16, assumes the vocabulary it is given, and plans for an
+    accelerator (80 GiB unless told), never this machine's RAM."""
+    assert not Path("/data/corpus_text_document.idx").exists()
+    code = cli.main(["train", "--dry-run", *README_CLUSTER, "--vocab-size", "50257"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "plan: vocabulary 50,257 (--vocab-size), an assumed 80 GiB accelerator" in out
+    assert "memory per rank" in out and "-m hla_sp.launch.train" in out
+    code = cli.main(["train", "--dry-run", *README_CLUSTER, "--device-memory", "141"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert "--dry-run: expected --vocab-size with --data-path" in err[0]
