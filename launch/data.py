@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from hla_sp.launch.config import RECALL_FILLERS
 from hla_sp.launch.errors import DatasetError
+from hla_sp.launch.flags import is_number
 
 # The byte-level ids (0..255 bytes, EOD 256) live with the dataset reader, which names
 # the byte vocabulary in its errors; they are this module's too.
@@ -79,7 +80,7 @@ def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float] | None
         # megatron-core reads an even list as weight-prefix pairs when every first of a
         # pair is a number, as prefixes when none is; a mix fails its bare assert
         firsts = data_path[::2]
-        numbers = [_is_number(w) for w in firsts]
+        numbers = [is_number(w) for w in firsts]
         if any(numbers) and not all(numbers):
             bad = next(w for w, n in zip(firsts, numbers, strict=True) if not n)
             raise DatasetError(
@@ -97,14 +98,6 @@ def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float] | None
             f"prefix (as 0.5 A 0.5 B), got {weights}")
     total = float(sum(weights))
     return prefixes, [w / total for w in weights]
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 class ArrayTokens:

@@ -12,7 +12,7 @@ from typing import Any
 from hla_sp.launch.errors import ConfigError
 
 __all__ = ["OneLineParser", "RaisingParser", "expand_config", "import_user_modules",
-           "nearest_flag", "one_line_error"]
+           "is_number", "nearest_flag", "one_line_error"]
 
 
 def nearest_flag(word: str, flags: typing.Iterable[str]) -> str | None:
@@ -123,7 +123,7 @@ def _toml_tokens(path: str, values: dict[str, tuple[str, Any]],
                 if isinstance(v, (list, dict, bool)):
                     raise ConfigError(f"--config {path}: {key}: expected a list of plain "
                                       f"values, got an element {v!r}")
-                if str(v).startswith("-") and not _is_number(str(v)):
+                if str(v).startswith("-") and not is_number(str(v)):
                     raise ConfigError(
                         f"--config {path}: {key}: expected values, got {str(v)!r}, which reads "
                         f"as a flag; give each flag as a key of its own")
@@ -139,7 +139,8 @@ def _toml_tokens(path: str, values: dict[str, tuple[str, Any]],
     return out
 
 
-def _is_number(text: str) -> bool:
+def is_number(text: str) -> bool:
+    """Whether a command-line word reads as a number (``-1e-3`` is a value, not a flag)."""
     try:
         float(text)
     except ValueError:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from hla_sp.launch.flags import is_number
 
 # the user's own command, set by ``hla-sp train`` for its workers (the resume line)
 COMMAND_ENV = "HLA_SP_COMMAND"
@@ -99,21 +100,13 @@ def edit_command(argv: list[str], drop: tuple[str, ...] = (),
         if tok.startswith("--") and name in gone:
             skipping = "=" not in tok  # the values follow, up to the next flag
             continue
-        if skipping and not (tok.startswith("-") and len(tok) > 1 and not _is_number(tok)):
+        if skipping and not (tok.startswith("-") and len(tok) > 1 and not is_number(tok)):
             continue
         skipping = False
         out.append(tok)
     for flag, values in set_values.items():
         out += [flag, *values]
     return out
-
-
-def _is_number(tok: str) -> bool:
-    try:
-        float(tok)
-    except ValueError:
-        return False
-    return True
 
 
 def resume_command(save: str | None, load: str | None) -> str:

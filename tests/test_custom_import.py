@@ -37,7 +37,21 @@ def qqv(q, k, v, **kw):
 
 
 def qqv_reference(q, k, v, log_decay=None, scale=None, initial_state=None):
-    raise NotImplementedError("not needed by the launch test")
+    """A_t = g A + q_t v_t^T, u_t = A_t^T q_t, H_t = g H + k_t u_t^T, o_t = H_t^T q_t."""
+    B, T, H, K = q.shape
+    qs = q * (K ** -0.5 if scale is None else scale)
+    g = torch.zeros(B, T, H, dtype=q.dtype) if log_decay is None else \\
+        torch.broadcast_to(log_decay, (B, T, H)).to(q.dtype)
+    A = q.new_zeros(B, H, K, v.shape[-1]) if initial_state is None else initial_state[0]
+    Hs = torch.zeros_like(A) if initial_state is None else initial_state[1]
+    out = []
+    for t in range(T):
+        gam = torch.exp(g[:, t])[..., None, None]
+        A = gam * A + qs[:, t, :, :, None] * v[:, t, :, None, :]
+        u = torch.einsum("bhk,bhkv->bhv", qs[:, t], A)
+        Hs = gam * Hs + k[:, t, :, :, None] * u[:, :, None, :]
+        out.append(torch.einsum("bhk,bhkv->bhv", qs[:, t], Hs))
+    return torch.stack(out, 1), (A, Hs)
 
 
 operators.register(operators.OperatorSpec(
@@ -61,6 +75,31 @@ def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 def user_module(tmp_path: Path) -> Path:
     (tmp_path / "qqv_user_op.py").write_text(USER_MODULE)
     return tmp_path
+
+
+def test_the_user_operator_equals_its_recurrence(user_module: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The module's operator is a real one: its stages equal its serial recurrence."""
+    import importlib
+
+    import torch
+
+    from hla_sp.ops import operators
+
+    monkeypatch.syspath_prepend(str(user_module))
+    mod = importlib.import_module("qqv_user_op")
+    try:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 13, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+        decay = -torch.rand(1, 13, 2, generator=g, dtype=torch.float64)
+        o, st = mod.qqv(q, k, v, log_decay=decay, output_final_state=True, chunk_size=4)
+        o_ref, st_ref = mod.qqv_reference(q, k, v, decay)
+        torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
+        for a, b in zip(st, st_ref):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    finally:
+        operators.unregister("qqv")
+        sys.modules.pop("qqv_user_op", None)
 
 
 def test_custom_imports_reads_both_spellings_and_refuses_a_bare_flag() -> None:
