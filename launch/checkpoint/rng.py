@@ -46,17 +46,16 @@ def restore_rng(d: str, rank: int, saved: dict[str, int], now: dict[str, int]) -
     """Set this rank's RNGs from checkpoint directory ``d`` when the run has the layout
     that wrote it (the sizes ``saved`` records); otherwise, or without the file, keep
     the fresh streams and say that the resume is not bitwise."""
-    from hla_sp.launch.checkpoint.layout import CheckpointError, read_torch_file
+    from hla_sp.launch.checkpoint.layout import CheckpointError, read_torch_file, warn_once
 
     path = os.path.join(d, f"rng_rank{rank:05d}.pt")
     if any(now.get(k) != v for k, v in saved.items()):
-        warnings.warn(
+        # every rank sees the same layouts: one line, from rank 0
+        warn_once(
             f"checkpoint {d} was written by {_sizes(saved)}, this run has {_sizes(now)}: "
             f"model, optimizer, scheduler and data position resume, RNG streams are "
             f"reseeded, so the resume is not bitwise (dropout masks will differ from an "
-            f"uninterrupted run)",
-            stacklevel=3,
-        )
+            f"uninterrupted run)")
     elif not os.path.isfile(path):
         warnings.warn(
             f"{path} is missing (rank {rank}'s RNG state): model, optimizer, scheduler "
