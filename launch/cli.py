@@ -124,13 +124,13 @@ def planned_vocab(cfg: TrainConfig) -> int:
     """The vocabulary ``--dry-run`` plans with, from the flags alone: ``--vocab-size``, or
     the byte-level vocabulary of the built-in data; with ``--data-path`` and no
     ``--vocab-size``, a :class:`ConfigError` (the planner opens no data file)."""
-    if cfg.vocab_size:
-        return cfg.vocab_size
-    if cfg.data_path:
+    if cfg.model.vocab_size:
+        return cfg.model.vocab_size
+    if cfg.data.data_path:
         raise ConfigError(
             f"--dry-run: expected --vocab-size with --data-path (the plan reads no data file, "
             f"so it cannot see the tokenizer's vocabulary: pass it, e.g. --vocab-size 50257 "
-            f"for GPT-2's), got --data-path {' '.join(cfg.data_path)} alone")
+            f"for GPT-2's), got --data-path {' '.join(cfg.data.data_path)} alone")
     from hla_sp.launch.data import BYTE_VOCAB
 
     return BYTE_VOCAB
@@ -177,7 +177,7 @@ def _train(argv: list[str]) -> int:
     if launch.dry_run:
         from hla_sp.launch.estimate import summary
 
-        source = "--vocab-size" if cfg.vocab_size else "the byte-level default"
+        source = "--vocab-size" if cfg.model.vocab_size else "the byte-level default"
         print(f"plan: vocabulary {vocab:,} ({source}), {device[1]} per rank")
         for line in summary(cfg, launch.nproc_per_node * nnodes, vocab=vocab, device=device):
             print(line)
@@ -192,7 +192,7 @@ def _train(argv: list[str]) -> int:
     from hla_sp.launch.signals import COMMAND_ENV
 
     os.environ[COMMAND_ENV] = shlex.join(["hla-sp", "train", *argv])
-    if cfg.exit_signal_handler:  # torchrun's wait for its workers before SIGKILL (30 s)
+    if cfg.checkpoint.exit_signal_handler:  # torchrun's wait for its workers before SIGKILL (30 s)
         os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")
     os.execv(cmd[0], cmd)
     return 0  # not reached

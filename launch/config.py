@@ -1,12 +1,21 @@
-"""The trainer's configuration: one dataclass, one docstring per field, which is the CLI help.
+"""The trainer's configuration: :class:`TrainConfig`, a typed config in sections.
+
+The sections (:mod:`hla_sp.launch.sections`, :mod:`hla_sp.launch.sections_run`) are
+dataclasses with one docstring per field, which is the flag's ``--help``; each checks
+what it can alone (``validate``), and :func:`hla_sp.launch.checks.validate` checks them
+against each other and the world size. ``hla`` is the typed
+:class:`hla_sp.config.HLAConfig`, whose fields are the ``--hla-*`` flags.
 
 Flags use Megatron-LM's spellings (``--num-layers``, ``--seq-length``,
-``--context-parallel-size``, ...). The HLA flags (``--attention``, ``--hla-*``) come
-from :func:`hla_sp.megatron_patch.add_hla_args`, so the trainer and Megatron's own
-``pretrain_gpt`` accept the same ones.
+``--context-parallel-size``, ...), one per field of every section. The HLA flags
+(``--attention``, ``--hla-*``, ``--hla-layer-pattern``, ``--custom-import``) come from
+:func:`hla_sp.megatron_patch.add_hla_args`, so the trainer and Megatron's own
+``pretrain_gpt`` accept the same ones. A TOML file (``--config``) fills the same
+sections: ``[model] num_layers = 2``, or flat keys as before.
 
-The checks (:func:`validate` and what it calls) live in :mod:`hla_sp.launch.checks`;
-they are re-exported here, where callers have always imported them.
+``to_dict`` writes the sections (a checkpoint's ``config.json``); ``from_dict`` reads
+them, or the flat form earlier versions wrote (every field at the top, the HLA flags in
+an ``hla`` table by their argparse names), which :func:`flat_config` also gives.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import os
 import textwrap
 import types
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,248 +42,191 @@ from hla_sp.launch.flags import (
     expand_config,
     import_user_modules,
 )
+from hla_sp.launch.sections import (
+    ModelConfig,
+    OptimizerConfig,
+    ParallelismConfig,
+    PrecisionConfig,
+    Section,
+)
+from hla_sp.launch.sections_run import (
+    RECALL_FILLERS,
+    CheckpointConfig,
+    DataConfig,
+    EvaluationConfig,
+    LoggingConfig,
+)
+
+from hla_sp.config import HLAConfig, hla_operator_names
 
 __all__ = [
-    "ConfigError", "TrainConfig", "add_hla_flags", "build_parser", "field_docs", "flag_names",
-    "parse_args", "world_size_from_env",
+    "RECALL_FILLERS", "SECTIONS", "ConfigError", "TrainConfig", "add_hla_flags",
+    "build_parser", "field_docs", "flag_names", "flat_config", "parse_args",
+    "world_size_from_env",
 ]
+
+# The sections, in --help's order; [name] in a TOML file, cfg.name in code.
+SECTIONS: dict[str, type[Section]] = {
+    "model": ModelConfig,
+    "optimizer": OptimizerConfig,
+    "precision": PrecisionConfig,
+    "parallelism": ParallelismConfig,
+    "data": DataConfig,
+    "evaluation": EvaluationConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+}
+# Every section field -> its section (field names are unique across sections).
+FIELD_SECTION: dict[str, str] = {
+    f.name: name for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+}
+# The model fields whose flags add_hla_args / add_hybrid_args define; the flat form
+# kept them in its hla table, by these names.
+_HLA_MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig)
+                          if f.metadata.get("hla_flag"))
 
 
 @dataclass
 class TrainConfig:
-    """Everything ``hla_sp.launch.train`` needs; each field is the flag ``--field-name``."""
+    """Everything ``hla_sp.launch.train`` needs, in sections; each field of a section is
+    the flag ``--field-name``, and ``hla``'s are ``--hla-field-name``."""
 
-    # --- model -------------------------------------------------------------------
-    num_layers: int = 2
-    """Number of transformer layers."""
-    hidden_size: int = 64
-    """Transformer hidden size."""
-    num_attention_heads: int = 4
-    """Number of attention (query) heads."""
-    num_query_groups: int | None = None
-    """Key/value head groups for GQA (default: one per head)."""
-    ffn_hidden_size: int | None = None
-    """MLP hidden size (default: 4 x hidden size)."""
-    seq_length: int = 256
-    """Tokens per sample. With context parallelism it must be divisible by
-    2 x context-parallel-size (Megatron's zigzag split)."""
-    max_position_embeddings: int | None = None
-    """Size of the learned position table (default: seq-length)."""
-    position_embedding_type: str = "learned_absolute"
-    """learned_absolute, rope or none. rope needs CUDA (megatron-core's rotary embedding
-    runs on the current CUDA device) and is refused on CPU; HLA with decay needs no
-    positions, and none saves seq-length x hidden parameters at long context."""
-    rotary_base: int = 10000
-    """Base of the rotary embedding's frequencies (--position-embedding-type rope)."""
-    rotary_percent: float = 1.0
-    """Fraction of each head's dimensions that RoPE rotates."""
-    vocab_size: int | None = None
-    """Vocabulary size before padding: the tokenizer's, as in Megatron (default: 257, the
-    byte-level tokens of the built-in data and of make_dataset). The data is not scanned
-    for it; a token id outside it is refused when read, naming the file."""
-    make_vocab_size_divisible_by: int = 128
-    """Pad the vocabulary to a multiple of this times the tensor-parallel size."""
-    hidden_dropout: float = 0.0
-    """Dropout after attention and MLP. Megatron defaults to 0.1; 0 is the usual choice
-    for pretraining and keeps runs comparable across CP sizes."""
-    attention_dropout: float = 0.0
-    """Dropout inside core attention (passed to the core attention)."""
-    init_method_std: float = 0.02
-    """Standard deviation of the weight initialisation."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    hla: HLAConfig = field(default_factory=HLAConfig)
+    """The HLA options; ``hla.operator`` follows ``model.attention`` when that is an HLA
+    operator (under softmax they are unused)."""
 
-    # --- batching and optimisation -----------------------------------------------
-    micro_batch_size: int = 1
-    """Samples per microbatch on each data-parallel rank."""
-    global_batch_size: int | None = None
-    """Samples per optimizer step over all data-parallel ranks (default: micro-batch
-    size x data-parallel size); the rest is gradient accumulation."""
-    train_iters: int = 20
-    """Optimizer steps to train for."""
-    lr: float = 1e-3
-    """Peak learning rate."""
-    min_lr: float = 1e-4
-    """Learning rate at the end of the decay."""
-    lr_warmup_iters: int = 0
-    """Linear warmup steps from 0 to --lr."""
-    lr_decay_iters: int | None = None
-    """Steps over which the learning rate decays to --min-lr (default: --train-iters)."""
-    lr_decay_style: str = "cosine"
-    """cosine, linear or constant."""
-    weight_decay: float = 0.01
-    """AdamW weight decay (not applied to biases and norms)."""
-    adam_beta1: float = 0.9
-    """AdamW beta1."""
-    adam_beta2: float = 0.95
-    """AdamW beta2."""
-    adam_eps: float = 1e-8
-    """AdamW epsilon."""
-    clip_grad: float = 1.0
-    """Clip the global gradient norm to this (0 disables)."""
-    check_for_nan_in_loss_and_grad: bool = True
-    """Stop the run when the loss or the gradient norm is NaN or infinite, before the
-    optimizer steps and with nothing saved, naming the iteration, the value and the last
-    finite checkpoint (Megatron's flag; --no-check-for-nan-in-loss-and-grad trains on).
-    An fp16 overflow stays a skipped step."""
-    seed: int = 1234
-    """Seed for initialisation, dropout and data order."""
+    def __post_init__(self) -> None:
+        if self.model.attention in hla_operator_names() and (
+                self.hla.operator != self.model.attention):
+            try:
+                self.hla = self.hla.replace(operator=self.model.attention)
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"--attention {self.model.attention}: {e}") from None
 
-    # --- precision (Megatron's mixed precision: fp32 master weights and grads) -----
-    bf16: bool = False
-    """Run the model in bfloat16; the optimizer keeps fp32 master weights and
-    gradients are accumulated, reduced and clipped in fp32 (Megatron's --bf16)."""
-    fp16: bool = False
-    """Run the model in float16 with fp32 master weights and a loss scale (dynamic
-    unless --loss-scale is set); steps whose gradients overflow are skipped."""
-    loss_scale: float | None = None
-    """With --fp16: a static loss scale (default: dynamic)."""
-    initial_loss_scale: float = 2.0**32
-    """With --fp16: the dynamic loss scale's initial value."""
-    min_loss_scale: float = 1.0
-    """With --fp16: the dynamic loss scale never goes below this."""
-    loss_scale_window: int = 1000
-    """With --fp16: steps without overflow before the dynamic scale doubles."""
-    hysteresis: int = 2
-    """With --fp16: overflowing steps tolerated before the dynamic scale halves."""
+    def sections(self) -> Iterator[tuple[str, Section]]:
+        """(name, section) of every section but ``hla``, in --help's order."""
+        for name in SECTIONS:
+            yield name, getattr(self, name)
 
-    # --- parallelism -------------------------------------------------------------
-    context_parallel_size: int = 1
-    """Ranks that share one sequence (HLA's exact scan runs across them)."""
-    tensor_model_parallel_size: int = 1
-    """Ranks that share each weight matrix (Megatron tensor parallelism)."""
-    distributed_timeout_minutes: float = 10.0
-    """Process-group timeout: a hung or dead peer ends every rank after this long."""
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A copy with ``changes``: fields by their flat names (``seq_length=128``), or whole
+        sections (``model=...``, ``hla=...``)."""
+        by_section: dict[str, dict[str, Any]] = {}
+        whole = {k: v for k, v in changes.items() if k in SECTIONS or k == "hla"}
+        for k, v in changes.items():
+            if k in whole:
+                continue
+            if k not in FIELD_SECTION:
+                raise ConfigError(f"unknown config field {k!r}")
+            by_section.setdefault(FIELD_SECTION[k], {})[k] = v
+        new = {name: dataclasses.replace(whole.get(name, sec), **by_section.get(name, {}))
+               for name, sec in self.sections()}
+        return TrainConfig(**new, hla=whole.get("hla", self.hla))
 
-    # --- memory ------------------------------------------------------------------
-    recompute_activations: bool = False
-    """Recompute core attention in backward (Megatron's selective recompute)."""
-    recompute_granularity: str | None = None
-    """full (recompute every transformer layer; the least memory) or selective."""
+    def hla_flags(self) -> dict[str, Any]:
+        """The HLA flags as add_hla_args parses them (``attention``, ``hla_decay``, ...):
+        what :func:`hla_sp.megatron_patch.check_hla_args` and the layer specs read."""
+        m = self.model
+        return {"attention": m.attention, "custom_import": list(m.custom_import),
+                **{"hla_" + f.name: getattr(self.hla, f.name) for f in HLAConfig.flag_fields()},
+                "hla_layer_pattern": m.hla_layer_pattern}
 
-    # --- data --------------------------------------------------------------------
-    data: str = "text"
-    """text (Megatron data from --data-path, else the Python standard library's sources
-    as bytes) or synthetic-recall (key-value pairs early, queried in the second half;
-    the loss can only fall below ln(64) if information crosses context-parallel ranks)."""
-    data_path: list[str] | None = None
-    """Prefixes of Megatron indexed datasets (PREFIX.bin and PREFIX.idx), concatenated;
-    or weight-prefix pairs as Megatron takes them (0.5 A 0.5 B), blended by weight."""
-    recall_pairs: int = 8
-    """Key-value pairs per sample for --data synthetic-recall."""
-    recall_filler: str = "random"
-    """The tokens around the pairs and queries of --data synthetic-recall: random (a
-    fresh id per position, so the state must also learn to ignore noise) or constant
-    (one id everywhere, the filler of Zoology's MQAR)."""
-    split: str = "969,30,1"
-    """Train, validation and test weights of the data (Megatron's --split): the first
-    share of the samples trains, the next is the held-out validation set."""
-
-    # --- evaluation --------------------------------------------------------------
-    eval_interval: int | None = None
-    """Compute the validation loss every this many iterations and at the end (default:
-    never)."""
-    eval_iters: int = 10
-    """Global batches of the validation split per evaluation (the same ones each time)."""
-    skip_train: bool = False
-    """Train nothing: evaluate the checkpoint in --load (or --ckpt-step) once on the
-    held-out split that --seed and the data flags give, print the result, log it to
-    --log-jsonl as an "evaluation" event, and exit (Megatron's --skip-train). The
-    checkpoint may come from another TP, CP or DP size."""
-
-    # --- checkpoints -------------------------------------------------------------
-    save: str | None = None
-    """Directory to write checkpoints to (atomically)."""
-    load: str | None = None
-    """Directory to resume from (its latest complete checkpoint)."""
-    ckpt_step: int | None = None
-    """With --load: resume from this iteration's checkpoint instead of the latest."""
-    keep_last: int | None = None
-    """Keep only the newest this many checkpoints in --save; older ones are deleted once
-    a newer one is complete (default: keep every checkpoint). The newest finite
-    checkpoint and the one this run resumed from are never deleted."""
-    break_save_lock: bool = False
-    """Take --save's lock (save.lock) even though another run holds it: for a lock left
-    by a run on another host that no longer runs (one on this host whose process is gone
-    is taken over anyway)."""
-    override_opt_param_scheduler: bool = False
-    """On resume, apply this run's learning-rate schedule flags instead of the
-    checkpoint's (Megatron's --override-opt_param-scheduler)."""
-    use_checkpoint_opt_param_scheduler: bool = False
-    """On resume, keep the checkpoint's learning-rate schedule, whatever this run's flags
-    say (Megatron's --use-checkpoint-opt_param-scheduler). Without either flag a changed
-    --lr, --min-lr, --lr-warmup-iters, --lr-decay-style, --weight-decay or decay length
-    (--lr-decay-iters, default --train-iters) is refused with the difference."""
-    save_interval: int | None = None
-    """Save every this many iterations (and always at the end when --save is set)."""
-    exit_interval: int | None = None
-    """Stop (saving first when --save is set) once the iteration is a multiple of this."""
-    exit_signal_handler: bool = False
-    """On SIGINT or SIGTERM, finish the current iteration, save (with --save), draw the
-    plot and print the command that resumes (Megatron's --exit-signal-handler). Without
-    it a signal stops the run at once, with one line and no checkpoint."""
-
-    # --- logging -----------------------------------------------------------------
-    log_interval: int = 1
-    """Print a progress line every this many iterations (rank 0)."""
-    log_jsonl: str | None = None
-    """Append one JSON object per iteration to this file (rank 0); a line with "event":
-    "start" marks where each run (or resumed run) begins. At the end of the run a plot of
-    loss and throughput goes next to it (same name, .png; needs matplotlib), redrawn
-    every --log-interval iterations while the run goes."""
-    tensorboard_dir: str | None = None
-    """Write loss, learning rate, gradient norm, throughput and memory as TensorBoard
-    scalars to this directory (rank 0; needs pip install "hla-sp[tensorboard]")."""
-    wandb_project: str | None = None
-    """Log the same scalars and the config to this Weights & Biases project (rank 0;
-    needs the wandb package)."""
-    wandb_exp_name: str | None = None
-    """With --wandb-project: the run's name (default: wandb's)."""
-    peak_tflops: float | None = None
-    """The device's peak TFLOP/s, for the model FLOPs utilisation (MFU) of the progress
-    line and the logs. Default: the dense peak of a known GPU at the run's precision
-    (H100/H200: 989 with --bf16/--fp16, 495 tf32; A100: 312, 156); none on a CPU or an
-    unknown device, which then logs no MFU."""
-
-    # --- attention (filled from hla_sp.megatron_patch.add_hla_args) --------------
-    hla: dict[str, Any] = field(default_factory=dict)
-    """The --attention and --hla-* flags, as parsed by add_hla_args."""
-
-    # ------------------------------------------------------------------------------
-    @property
-    def attention(self) -> str:
-        """The core attention: softmax, hla2, ahla or hla3."""
-        return str(self.hla.get("attention", "softmax"))
+    def flat(self) -> dict[str, Any]:
+        """The flat form earlier versions saved: every section field at the top, the HLA
+        flags in ``hla`` by their argparse names."""
+        out: dict[str, Any] = {}
+        for _, sec in self.sections():
+            out.update({k: v for k, v in sec.to_dict().items() if k not in _HLA_MODEL_FIELDS})
+        return {**out, "hla": self.hla_flags()}
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-friendly copy (what checkpoints and Ray workers carry)."""
-        return dataclasses.asdict(self)
+        """A JSON-friendly copy in sections (what checkpoints and Ray workers carry)."""
+        out = {name: sec.to_dict() for name, sec in self.sections()}
+        out["hla"] = {f.name: getattr(self.hla, f.name) for f in HLAConfig.flag_fields()}
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        """Inverse of :meth:`to_dict`; unknown keys are an error."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - names
+        """Inverse of :meth:`to_dict`; also reads the flat form of earlier versions.
+        Unknown keys are an error naming them."""
+        if not is_sectioned(d):
+            return cls._from_flat(d)
+        unknown = set(d) - set(SECTIONS) - {"hla"}
         if unknown:
-            raise ConfigError(f"unknown config keys {sorted(unknown)}; known: {sorted(names)}")
-        return cls(**d)
+            raise ConfigError(f"unknown config sections {sorted(unknown)}; known: "
+                              f"{[*SECTIONS, 'hla']}")
+        kw = {name: _section(sc, d.get(name) or {}, name) for name, sc in SECTIONS.items()}
+        hla = dict(d.get("hla") or {})
+        hla.pop("operator", None)  # model.attention says which
+        return cls(**kw, hla=_section(HLAConfig, hla, "hla"))
+
+    @classmethod
+    def _from_flat(cls, d: dict[str, Any]) -> TrainConfig:
+        flat = dict(d)
+        hla = dict(flat.pop("hla", None) or {})
+        unknown = set(flat) - set(FIELD_SECTION) - set(_HLA_MODEL_FIELDS)
+        if unknown:
+            raise ConfigError(f"unknown config keys {sorted(unknown)}; known: "
+                              f"{sorted([*FIELD_SECTION, 'hla'])}")
+        # before sections, a config without the key meant softmax
+        flat["attention"] = hla.pop("attention", "softmax")
+        for k in ("custom_import", "hla_layer_pattern"):
+            if k in hla:
+                flat[k] = hla.pop(k)
+        own = {f.name for f in dataclasses.fields(HLAConfig)}
+        bad = [k for k in hla if not k.startswith("hla_") or k[4:] not in own]
+        if bad:
+            raise ConfigError(f"unknown keys {sorted(bad)} in the config's hla table")
+        return cls.from_dict({
+            **{name: {k: v for k, v in flat.items() if FIELD_SECTION.get(k) == name}
+               for name in SECTIONS},
+            "hla": {k[4:]: v for k, v in hla.items()}})
 
 
-# The filler layouts of --data synthetic-recall (launch/data.py's RecallSamples).
-RECALL_FILLERS = ("random", "constant")
+def _section(cls: type, values: dict[str, Any], name: str) -> Any:
+    """``cls(**values)``; an unknown key or a bad value is a ConfigError naming it."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"config section {name!r}: expected an object, got {values!r:.60}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(values) - known
+    if unknown:
+        raise ConfigError(f"unknown keys {sorted(unknown)} in config section {name!r}; "
+                          f"known: {sorted(known)}")
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"config section {name!r}: {e}") from None
 
-_CHOICES = {
-    "position_embedding_type": ["learned_absolute", "rope", "none"],
-    "lr_decay_style": ["cosine", "linear", "constant"],
-    "recompute_granularity": ["full", "selective"],
-    "data": ["text", "synthetic-recall"],
-    "recall_filler": list(RECALL_FILLERS),
-}
+
+def is_sectioned(d: dict[str, Any]) -> bool:
+    """Whether a saved config is in sections (this version) or flat (earlier ones)."""
+    return any(isinstance(d.get(name), dict) for name in SECTIONS)
 
 
-# Megatron spells a few flags half with underscores; both spellings are accepted.
-_MEGATRON_SPELLINGS = {
-    "override_opt_param_scheduler": ("--override-opt_param-scheduler",),
-    "use_checkpoint_opt_param_scheduler": ("--use-checkpoint-opt_param-scheduler",),
-}
+def flat_config(d: dict[str, Any]) -> dict[str, Any]:
+    """A saved config (sections or flat) in the flat form :meth:`TrainConfig.flat`
+    gives, without building it: keys this version does not know are kept."""
+    if not is_sectioned(d):
+        return d
+    out: dict[str, Any] = {}
+    hla: dict[str, Any] = {}
+    for name, sec in d.items():
+        if name == "hla" and isinstance(sec, dict):
+            hla.update({"hla_" + k: v for k, v in sec.items()})
+        elif isinstance(sec, dict):
+            for k, v in sec.items():
+                (hla if k in _HLA_MODEL_FIELDS else out)[k] = v
+        else:
+            out[name] = sec
+    return {**out, "hla": hla}
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -303,6 +256,13 @@ def _base_type(tp: Any) -> tuple[type, bool]:
     return tp, False
 
 
+# Megatron spells a few flags half with underscores; both spellings are accepted.
+_MEGATRON_SPELLINGS = {
+    "override_opt_param_scheduler": ("--override-opt_param-scheduler",),
+    "use_checkpoint_opt_param_scheduler": ("--use-checkpoint-opt_param-scheduler",),
+}
+
+
 def add_hla_flags(parser: argparse.ArgumentParser) -> None:
     """Add ``--attention`` and the ``--hla-*`` flags from the Megatron drop-in."""
     from hla_sp.megatron_patch import add_hla_args
@@ -312,13 +272,46 @@ def add_hla_flags(parser: argparse.ArgumentParser) -> None:
 
     add_hybrid_args(parser)  # --hla-layer-pattern: HLA in some layers, softmax in the rest
     # The trainer exists to train HLA; Megatron's own entry point keeps softmax as default.
-    parser.set_defaults(attention="hla2")
+    parser.set_defaults(attention=ModelConfig.attention)
+
+
+def _add_section(parser: argparse.ArgumentParser, name: str, cls: type[Section]) -> list[str]:
+    """One argument group of ``cls``'s flags; returns their destinations."""
+    group = parser.add_argument_group(name, (cls.__doc__ or "").split("\n")[0])
+    docs, hints = field_docs(cls), typing.get_type_hints(cls)
+    dests = []
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.metadata.get("hla_flag"):
+            dests.append(f.name)  # defined by add_hla_args, in its own group
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        tp, is_list = _base_type(hints[f.name])
+        help_text = docs.get(f.name, "")
+        dests.append(f.name)
+        if tp is bool:
+            # a flag on by default also takes --no-FLAG (--no-check-for-nan-in-loss-and-grad)
+            group.add_argument(flag, *_MEGATRON_SPELLINGS.get(f.name, ()),
+                               action=argparse.BooleanOptionalAction if f.default is True
+                               else "store_true", default=f.default, help=help_text)
+            continue
+        default = f.default
+        kw: dict[str, Any] = {"type": tp, "default": default, "help": help_text}
+        if is_list:
+            kw["nargs"] = "+"
+        if f.name in cls.CHOICES:
+            kw["choices"] = list(cls.CHOICES[f.name])
+        if default is not None and not is_list:
+            kw["help"] = f"{help_text} (default: {default})"
+        group.add_argument(flag, **kw)
+    return dests
 
 
 def build_parser(
     prog: str = "hla_sp.launch.train", raise_errors: bool = False
 ) -> argparse.ArgumentParser:
-    """The trainer's argument parser, generated from :class:`TrainConfig`."""
+    """The trainer's argument parser, generated from :class:`TrainConfig`'s sections, a
+    group each in --help; ``parser.sections`` maps each section to its destinations
+    (what a TOML table of that name may hold)."""
     parser = (RaisingParser if raise_errors else OneLineParser)(
         prog=prog,
         description="Train a megatron-core GPT with HLA attention and context parallelism.",
@@ -326,44 +319,40 @@ def build_parser(
     )
     parser.add_argument(
         "--config", metavar="TOML", default=None, action="append",
-        help="Read trainer flags from this TOML file (keys are the flag names, with - or _: "
-             "seq_length = 4096; tables only group them, so a key is given once). Several "
-             "--config files merge in order, the later winning; flags on the command line "
-             "win over all of them.",
+        help="Read trainer flags from this TOML file: a table per section ([model] "
+             "num_layers = 2; [hla] decay = 'data'), or keys by flag name at the top or "
+             "in any other table (seq_length = 4096), a key given once. Several --config "
+             "files merge in order, the later winning; flags on the command line win over "
+             "all of them.",
     )
-    docs = field_docs(TrainConfig)
-    hints = typing.get_type_hints(TrainConfig)
-    for f in dataclasses.fields(TrainConfig):
-        if f.name == "hla":
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        tp, is_list = _base_type(hints[f.name])
-        help_text = docs.get(f.name, "")
-        if tp is bool:
-            # a flag on by default also takes --no-FLAG (--no-check-for-nan-in-loss-and-grad)
-            parser.add_argument(flag, *_MEGATRON_SPELLINGS.get(f.name, ()),
-                                action=argparse.BooleanOptionalAction if f.default is True
-                                else "store_true", default=f.default, help=help_text)
-            continue
-        default = f.default
-        kw: dict[str, Any] = {"type": tp, "default": default, "help": help_text}
-        if is_list:
-            kw["nargs"] = "+"
-        if f.name in _CHOICES:
-            kw["choices"] = _CHOICES[f.name]
-        if default is not None and not is_list:
-            kw["help"] = f"{help_text} (default: {default})"
-        parser.add_argument(flag, **kw)
+    sections = {name: _add_section(parser, name, cls) for name, cls in SECTIONS.items()}
     add_hla_flags(parser)
+    sections["hla"] = ["hla_" + f.name for f in HLAConfig.flag_fields()]
+    parser.sections = sections  # type: ignore[attr-defined]
     return parser
+
+
+def config_from_flags(ns: dict[str, Any]) -> TrainConfig:
+    """The config of parsed flags (argparse's destinations, ``hla_decay`` ...)."""
+    from hla_sp.megatron_patch import check_hla_args
+
+    try:  # the Megatron drop-in's own checks first: their messages name the flags
+        check_hla_args(argparse.Namespace(**ns))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    kw = {name: _section(cls, {f.name: ns[f.name] for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+                               if f.name in ns}, name)
+          for name, cls in SECTIONS.items()}
+    hla = {f.name: ns["hla_" + f.name] for f in HLAConfig.flag_fields() if "hla_" + f.name in ns}
+    return TrainConfig(**kw, hla=_section(HLAConfig, hla, "hla"))
 
 
 def parse_args(
     argv: list[str] | None = None, raise_errors: bool = False, prog: str = "hla_sp.launch.train"
 ) -> TrainConfig:
-    """Parse trainer flags (and a ``--config`` TOML file) into a :class:`TrainConfig` (the
-    HLA flags land in ``cfg.hla``); with ``raise_errors`` a bad flag raises
-    :class:`ConfigError` instead of exiting with one line."""
+    """Parse trainer flags (and ``--config`` TOML files) into a :class:`TrainConfig`;
+    with ``raise_errors`` a bad flag raises :class:`ConfigError` instead of exiting with
+    one line."""
     import sys
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -379,9 +368,13 @@ def parse_args(
         sys.exit(f"{prog}: error: {e}")
     ns = vars(build_parser(prog, raise_errors=raise_errors).parse_args(argv))
     ns.pop("config", None)
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    hla = {k: v for k, v in ns.items() if k not in names}
-    return TrainConfig(**{k: v for k, v in ns.items() if k in names}, hla=hla)
+    try:
+        return config_from_flags(ns)
+    except ConfigError as e:
+        if raise_errors:
+            raise
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 def flag_names() -> dict[str, str]:

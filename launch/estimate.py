@@ -25,7 +25,7 @@ and an upper bound without recompute (Megatron's figure assumes nothing is fused
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -70,29 +70,30 @@ class Estimate:
 
 
 def _element_bytes(cfg: TrainConfig) -> int:
-    return 2 if cfg.bf16 or cfg.fp16 else 4
+    return 2 if cfg.precision.bf16 or cfg.precision.fp16 else 4
 
 
 def _layer_params(cfg: TrainConfig, tp: int = 1) -> int:
     """One transformer layer's parameters on a TP rank (Megatron's local layer: LayerNorm
     with bias, fused QKV, GeLU MLP, biases on), plus HLA's small per-head extras."""
-    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    h, heads = cfg.model.hidden_size, cfg.model.num_attention_heads
     d = h // heads
-    groups = cfg.num_query_groups or heads
+    groups = cfg.model.num_query_groups or heads
     qkv = h + 2 * groups * d
-    ffn = cfg.ffn_hidden_size or 4 * h
+    ffn = cfg.model.ffn_hidden_size or 4 * h
     matrices = (h * qkv + qkv + h * h + h * ffn + ffn + ffn * h) // tp
     replicated = h + h + 4 * h  # row-parallel biases (proj, fc2), two LayerNorms
     hla = 0
-    if cfg.attention != "softmax":
-        taps = int(cfg.hla.get("hla_short_conv", 4) or 0)
+    if cfg.model.attention != "softmax":
+        taps = int(cfg.hla.short_conv or 0)
         hla = (taps * qkv + heads * d + 2 * heads) // tp  # conv, output norm, decay, mix
     return matrices + replicated + hla
 
 
 def _vocab(cfg: TrainConfig, vocab: int | None) -> int:
-    v = vocab or cfg.vocab_size or BYTE_VOCAB
-    return _padded(v, cfg.make_vocab_size_divisible_by, cfg.tensor_model_parallel_size)
+    v = vocab or cfg.model.vocab_size or BYTE_VOCAB
+    return _padded(v, cfg.model.make_vocab_size_divisible_by,
+                   cfg.parallelism.tensor_model_parallel_size)
 
 
 def model_flops_per_token(cfg: TrainConfig, vocab: int | None = None) -> float:
@@ -100,46 +101,46 @@ def model_flops_per_token(cfg: TrainConfig, vocab: int | None = None) -> float:
     counted, as in MFU): 2 per multiply-add of every weight matrix and the output layer,
     plus the core attention: HLA's state updates and reads, 8 x heads x d_k x (d_k + d_v)
     per token and layer, or softmax's causal scores and mixing, 2 x T x hidden."""
-    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    h, heads = cfg.model.hidden_size, cfg.model.num_attention_heads
     d = h // heads
-    groups = cfg.num_query_groups or heads
-    ffn = cfg.ffn_hidden_size or 4 * h
+    groups = cfg.model.num_query_groups or heads
+    ffn = cfg.model.ffn_hidden_size or 4 * h
     matmul = h * (h + 2 * groups * d) + h * h + 2 * h * ffn
-    if cfg.attention == "softmax":
-        core = 2 * cfg.seq_length * h
+    if cfg.model.attention == "softmax":
+        core = 2 * cfg.model.seq_length * h
     else:
         core = 8 * heads * d * (2 * d)
-    fwd = cfg.num_layers * (2 * matmul + core) + 2 * h * _vocab(cfg, vocab)
+    fwd = cfg.model.num_layers * (2 * matmul + core) + 2 * h * _vocab(cfg, vocab)
     return 3.0 * fwd
 
 
 def estimate(cfg: TrainConfig, world_size: int, vocab: int | None = None) -> Estimate:
     """The parameter counts, memory per rank and FLOPs per step of ``cfg`` on
     ``world_size`` ranks (``vocab``: before padding; default --vocab-size or 257)."""
-    tp, cp = cfg.tensor_model_parallel_size, cfg.context_parallel_size
-    h, e = cfg.hidden_size, _element_bytes(cfg)
+    tp, cp = cfg.parallelism.tensor_model_parallel_size, cfg.parallelism.context_parallel_size
+    h, e = cfg.model.hidden_size, _element_bytes(cfg)
     v = _vocab(cfg, vocab)
-    pos = (cfg.max_position_embeddings or cfg.seq_length) * h \
-        if cfg.position_embedding_type == "learned_absolute" else 0
+    pos = (cfg.model.max_position_embeddings or cfg.model.seq_length) * h \
+        if cfg.model.position_embedding_type == "learned_absolute" else 0
     per_layer = _layer_params(cfg)
-    per_rank = v * h // tp + pos + cfg.num_layers * _layer_params(cfg, tp) + 2 * h
-    tokens = cfg.micro_batch_size * cfg.seq_length // cp
-    full = cfg.recompute_granularity == "full"
-    saved = cfg.num_layers * (SAVED_ELEMENTS_FULL if full else SAVED_ELEMENTS) * e * h
+    per_rank = v * h // tp + pos + cfg.model.num_layers * _layer_params(cfg, tp) + 2 * h
+    tokens = cfg.optimizer.micro_batch_size * cfg.model.seq_length // cp
+    full = cfg.model.recompute_granularity == "full"
+    saved = cfg.model.num_layers * (SAVED_ELEMENTS_FULL if full else SAVED_ELEMENTS) * e * h
     working = max(WORKING_SET_PER_WIDTH * h * e // 4, LOGIT_BYTES * v // tp)
     dp = max(world_size // (tp * cp), 1)
-    gbs = cfg.global_batch_size or cfg.micro_batch_size * dp
+    gbs = cfg.optimizer.global_batch_size or cfg.optimizer.micro_batch_size * dp
     return Estimate(
         embedding=v * h,
         position_table=pos,
         per_layer=per_layer,
-        layers=cfg.num_layers * per_layer,
+        layers=cfg.model.num_layers * per_layer,
         final_norm=2 * h,
         params_per_rank=per_rank,
         tokens_per_rank=tokens,
         state_bytes=per_rank * (20 if e == 2 else 16),
         activation_bytes=tokens * (saved + working),
-        flops_per_step=model_flops_per_token(cfg, vocab) * gbs * cfg.seq_length,
+        flops_per_step=model_flops_per_token(cfg, vocab) * gbs * cfg.model.seq_length,
     )
 
 
@@ -186,7 +187,7 @@ def summary(cfg: TrainConfig, world_size: int, vocab: int | None = None,
     est = estimate(cfg, world_size, vocab)
     lines = [
         f"parameters: {_count(est.total)} = embedding {_count(est.embedding)} + position table "
-        f"{_count(est.position_table)} + {cfg.num_layers} layers x {_count(est.per_layer)} + "
+        f"{_count(est.position_table)} + {cfg.model.num_layers} layers x {_count(est.per_layer)} + "
         f"final norm {_count(est.final_norm)}; {_count(est.params_per_rank)} per TP rank",
         f"memory per rank (docs/launch.md, the memory model): about "
         f"{_g(est.memory_bytes)} = {_g(FIXED_BYTES)} fixed + {_g(est.state_bytes)} weights, "
@@ -198,7 +199,7 @@ def summary(cfg: TrainConfig, world_size: int, vocab: int | None = None,
     if est.position_table > est.layers:
         lines.append(
             f"warning: the position table ({_count(est.position_table)}) holds more parameters "
-            f"than the {cfg.num_layers} layers ({_count(est.layers)}); "
+            f"than the {cfg.model.num_layers} layers ({_count(est.layers)}); "
             f"--position-embedding-type rope (CUDA) or none drops it"
         )
     if device is not None and est.memory_bytes > device[0]:
@@ -226,31 +227,32 @@ def advice(cfg: TrainConfig, world_size: int, capacity: int | None = None,
         """The smallest CP multiple (x2 .. x16) that fits, else the largest that splits T."""
         best = None
         for k in (2, 4, 8, 16):
-            if c.seq_length % (2 * c.context_parallel_size * k):
+            if c.model.seq_length % (2 * c.parallelism.context_parallel_size * k):
                 break
-            best = (k, replace(c, context_parallel_size=c.context_parallel_size * k))
+            best = (k, c.replace(context_parallel_size=c.parallelism.context_parallel_size * k))
             if fits(mem(best[1], k)):
                 break
         return best
 
     options: list[tuple[int, str]] = []
-    full = replace(cfg, recompute_granularity="full")
-    if cfg.recompute_granularity != "full":
+    full = cfg.replace(recompute_granularity="full")
+    if cfg.model.recompute_granularity != "full":
         options.append((mem(full), "--recompute-granularity full"))
     cp = more_cp(cfg)
     if cp is not None:
         options.append((mem(cp[1], cp[0]), f"--context-parallel-size "
-                                           f"{cp[1].context_parallel_size} ({cp[0]}x the ranks)"))
-    if cfg.micro_batch_size > 1:
-        mbs = max(cfg.micro_batch_size // 2, 1)
-        options.append((mem(replace(cfg, micro_batch_size=mbs)),
+                                           f"{cp[1].parallelism.context_parallel_size} "
+                                           f"({cp[0]}x the ranks)"))
+    if cfg.optimizer.micro_batch_size > 1:
+        mbs = max(cfg.optimizer.micro_batch_size // 2, 1)
+        options.append((mem(cfg.replace(micro_batch_size=mbs)),
                         f"--micro-batch-size {mbs} (the same global batch, more accumulation)"))
-    if not any(fits(m) for m, _ in options) and cfg.recompute_granularity != "full":
+    if not any(fits(m) for m, _ in options) and cfg.model.recompute_granularity != "full":
         both = more_cp(full)
         if both is not None:
             options.append((mem(both[1], both[0]),
                             f"--recompute-granularity full with --context-parallel-size "
-                            f"{both[1].context_parallel_size} ({both[0]}x the ranks)"))
+                            f"{both[1].parallelism.context_parallel_size} ({both[0]}x the ranks)"))
     if not options:
         return f"the memory model gives {_g(now)} per rank and has no smaller layout to offer"
     good = [o for o in options if fits(o[0])]

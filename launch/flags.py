@@ -73,6 +73,7 @@ def _toml_values(path: str, parser: argparse.ArgumentParser) -> dict[str, tuple[
         raise ConfigError(f"--config {path}: cannot read it ({e.strerror or e})") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"--config {path}: not valid TOML ({e})") from None
+    sections: dict[str, list[str]] = getattr(parser, "sections", {})
     items: list[tuple[str, str, Any]] = []  # (where, key, value)
     for k, v in data.items():  # tables group keys; their keys are flags like the rest
         if isinstance(v, dict):
@@ -84,6 +85,9 @@ def _toml_values(path: str, parser: argparse.ArgumentParser) -> dict[str, tuple[
     seen: dict[str, str] = {}
     for where, key, value in items:
         dest = key.replace("-", "_")
+        section = where[1:-1] if where.startswith("[") else None
+        if section in sections:  # a section's table: [model] num_layers, [hla] decay
+            dest = _section_dest(path, section, key, dest, sections)
         action = flags.get(dest)
         if action is None or dest in ("config", "help"):
             near = nearest_flag("--" + dest.replace("_", "-"),
@@ -97,6 +101,23 @@ def _toml_values(path: str, parser: argparse.ArgumentParser) -> dict[str, tuple[
         seen[dest] = f"{key!r} in {where}"
         out[dest] = (key, value)
     return out
+
+
+def _section_dest(path: str, section: str, key: str, dest: str,
+                  sections: dict[str, list[str]]) -> str:
+    """The destination of ``key`` in the table ``[section]``; a key of another section
+    is refused, naming the one it belongs to. In ``[hla]`` the ``hla_`` prefix of the
+    flags' names may be left out (``decay`` is ``--hla-decay``)."""
+    own = sections[section]
+    if dest not in own and "hla_" + dest in own:
+        dest = "hla_" + dest
+    if dest in own:
+        return dest
+    home = [s for s, dests in sections.items() if dest in dests or "hla_" + dest in dests]
+    if home:
+        raise ConfigError(f"--config {path}: [{section}] {key}: expected in [{home[0]}], "
+                          f"not in [{section}]; move it there (or to the top level)")
+    return dest  # unknown everywhere: the caller names the nearest flag
 
 
 def _toml_tokens(path: str, values: dict[str, tuple[str, Any]],

@@ -113,7 +113,7 @@ def load_config(load: str, step: int | None = None) -> tuple[TrainConfig, int]:
     """The config of a checkpoint under ``load`` (its latest iteration, or ``step``), checked
     to be one generate decodes; (config, iteration)."""
     from hla_sp.launch import checkpoint
-    from hla_sp.launch.config import ConfigError
+    from hla_sp.launch.config import ConfigError, flat_config
 
     if not os.path.isdir(load):
         raise GenerateError(f"--load {load}: no such directory")
@@ -132,7 +132,7 @@ def load_config(load: str, step: int | None = None) -> tuple[TrainConfig, int]:
 
     try:
         # the modules that registered the run's operator (--custom-import), imported again
-        import_custom((saved.get("hla") or {}).get("custom_import") or [])
+        import_custom((flat_config(saved).get("hla") or {}).get("custom_import") or [])
     except ValueError as e:
         raise GenerateError(f"{checkpoint.checkpoint_dir(load, it)}: the run's {e}") from None
     try:
@@ -145,17 +145,17 @@ def load_config(load: str, step: int | None = None) -> tuple[TrainConfig, int]:
 
 def check_decodable(cfg: TrainConfig) -> None:
     """Refuse, in one line, the models whose decode this command does not implement."""
-    if cfg.attention == "softmax" or cfg.hla.get("hla_layer_pattern") is not None:
+    if cfg.model.attention == "softmax" or cfg.model.hla_layer_pattern is not None:
         raise GenerateError(
             f"checkpoint: expected HLA attention in every layer (its state is what generate "
-            f"decodes with), got attention {cfg.attention!r}"
-            + (f" with layer pattern {cfg.hla['hla_layer_pattern']!r}"
-               if cfg.hla.get("hla_layer_pattern") is not None else ""))
-    if cfg.position_embedding_type == "rope":
+            f"decodes with), got attention {cfg.model.attention!r}"
+            + (f" with layer pattern {cfg.model.hla_layer_pattern!r}"
+               if cfg.model.hla_layer_pattern is not None else ""))
+    if cfg.model.position_embedding_type == "rope":
         raise GenerateError("checkpoint: position_embedding_type 'rope' is not decoded (a "
                             "one-token forward would rotate at position 0); expected "
                             "learned_absolute or none")
-    vocab = cfg.vocab_size or BYTE_VOCAB
+    vocab = cfg.model.vocab_size or BYTE_VOCAB
     if vocab != BYTE_VOCAB:
         raise GenerateError(f"checkpoint: expected the byte-level vocabulary ({BYTE_VOCAB}), "
                             f"got vocab_size {vocab}; generate has no other tokenizer")
@@ -164,7 +164,7 @@ def check_decodable(cfg: TrainConfig) -> None:
 def decode_config(cfg: TrainConfig) -> TrainConfig:
     """The training config as one process decodes it: no CP, TP or recompute (the
     checkpoint's pieces reshard into one process's whole tensors)."""
-    return dataclasses.replace(cfg, context_parallel_size=1, tensor_model_parallel_size=1,
+    return cfg.replace(context_parallel_size=1, tensor_model_parallel_size=1,
                                recompute_granularity=None, recompute_activations=False)
 
 
@@ -207,7 +207,7 @@ def load_model(load: str, step: int | None = None, device: str = "cpu"
     cfg, it = load_config(load, step)
     cfg = decode_config(cfg)
     dev = torch.device(device)
-    torch.manual_seed(cfg.seed)  # the weights are overwritten; this keeps the build quiet
+    torch.manual_seed(cfg.optimizer.seed)  # the weights are overwritten; this keeps the build quiet
     model = build_model(cfg, BYTE_VOCAB, dev).to(device=dev, dtype=model_dtype(cfg))
     try:
         checkpoint.load_weights(load, it, model)

@@ -206,16 +206,16 @@ class Scalars:
         self._wandb: Any = None
         if cfg is None:
             return
-        if cfg.tensorboard_dir:
+        if cfg.logging.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=cfg.tensorboard_dir)
+            self._tb = SummaryWriter(log_dir=cfg.logging.tensorboard_dir)
             self._tb.add_text("config", "```\n" + json.dumps(cfg.to_dict(), indent=1) + "\n```")
-        if cfg.wandb_project:
+        if cfg.logging.wandb_project:
             import wandb
 
-            self._wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_exp_name,
-                                     config=cfg.to_dict())
+            self._wandb = wandb.init(project=cfg.logging.wandb_project,
+                                     name=cfg.logging.wandb_exp_name, config=cfg.to_dict())
 
     def write(self, rec: dict[str, Any]) -> None:
         values = {name: float(rec[k]) for k, name in SCALARS.items()

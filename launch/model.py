@@ -31,25 +31,26 @@ def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
 
 def layer_spec(cfg: TrainConfig) -> Any:
     """The transformer layer spec: HLA core attention from ``hla_sp.megatron_patch``."""
-    if cfg.attention == "softmax":  # Megatron untouched (DotProductAttention needs CUDA)
+    if cfg.model.attention == "softmax":  # Megatron untouched (DotProductAttention needs CUDA)
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         return get_gpt_layer_local_spec()
     from hla_sp.megatron_patch import get_hla_layer_local_spec, hla_spec_kwargs
 
-    spec = get_hla_layer_local_spec(**hla_spec_kwargs(argparse.Namespace(**cfg.hla)))
-    if cfg.hla.get("hla_layer_pattern") is None:
+    spec = get_hla_layer_local_spec(**hla_spec_kwargs(argparse.Namespace(**cfg.hla_flags())))
+    if cfg.model.hla_layer_pattern is None:
         return spec
     from hla_sp.megatron_patch.hybrid import hybrid_block_spec, layer_pattern
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    pattern = layer_pattern(cfg.hla["hla_layer_pattern"], cfg.num_layers)
+    pattern = layer_pattern(cfg.model.hla_layer_pattern, cfg.model.num_layers)
     return hybrid_block_spec(pattern, spec, get_gpt_layer_local_spec())
 
 
 def model_dtype(cfg: TrainConfig) -> torch.dtype:
     """The dtype of the model's weights and activations (--bf16, --fp16, else fp32)."""
-    return torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32
+    prec = cfg.precision
+    return torch.bfloat16 if prec.bf16 else torch.float16 if prec.fp16 else torch.float32
 
 
 def transformer_config(cfg: TrainConfig, device: torch.device | None = None) -> Any:
@@ -58,21 +59,21 @@ def transformer_config(cfg: TrainConfig, device: torch.device | None = None) -> 
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
-        num_layers=cfg.num_layers,
-        hidden_size=cfg.hidden_size,
-        num_attention_heads=cfg.num_attention_heads,
-        num_query_groups=cfg.num_query_groups,
-        ffn_hidden_size=cfg.ffn_hidden_size,
-        hidden_dropout=cfg.hidden_dropout,
-        attention_dropout=cfg.attention_dropout,
-        init_method_std=cfg.init_method_std,
-        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
-        context_parallel_size=cfg.context_parallel_size,
+        num_layers=cfg.model.num_layers,
+        hidden_size=cfg.model.hidden_size,
+        num_attention_heads=cfg.model.num_attention_heads,
+        num_query_groups=cfg.model.num_query_groups,
+        ffn_hidden_size=cfg.model.ffn_hidden_size,
+        hidden_dropout=cfg.model.hidden_dropout,
+        attention_dropout=cfg.model.attention_dropout,
+        init_method_std=cfg.model.init_method_std,
+        tensor_model_parallel_size=cfg.parallelism.tensor_model_parallel_size,
+        context_parallel_size=cfg.parallelism.context_parallel_size,
         use_cpu_initialization=device is None or device.type != "cuda",
         # --bf16/--fp16: the model's own weights are half; the trainer keeps fp32 masters
         params_dtype=model_dtype(cfg),
-        bf16=cfg.bf16,
-        fp16=cfg.fp16,
+        bf16=cfg.precision.bf16,
+        fp16=cfg.precision.fp16,
         # fusions need apex/TE or CUDA; the unfused paths are exact and portable
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
@@ -139,7 +140,7 @@ def build_model(
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         # Megatron's GPU initialisation draws from this tracker (one stream per TP rank)
-        model_parallel_cuda_manual_seed(cfg.seed)
+        model_parallel_cuda_manual_seed(cfg.optimizer.seed)
     # the default device catches what Megatron does not place itself (the position
     # table, HLA's own parameters)
     with torch.device(device) if on_gpu else contextlib.nullcontext():
@@ -147,7 +148,8 @@ def build_model(
     # the padded rows take no probability, so the loss does not depend on the padding
     # (--make-vocab-size-divisible-by x TP), nor on what resharding put in those rows
     mask_padded_vocab(model, vocab_size)
-    granularity = cfg.recompute_granularity or ("selective" if cfg.recompute_activations else None)
+    granularity = cfg.model.recompute_granularity or (
+        "selective" if cfg.model.recompute_activations else None)
     apply_recompute(model, granularity)
     _check_attention(cfg, model)
     return model
@@ -158,24 +160,25 @@ def _gpt(gpt: Any, cfg: TrainConfig, vocab_size: int, device: torch.device | Non
         config=transformer_config(cfg, device),
         transformer_layer_spec=layer_spec(cfg),
         vocab_size=padded_vocab_size(
-            vocab_size, cfg.make_vocab_size_divisible_by, cfg.tensor_model_parallel_size
+            vocab_size, cfg.model.make_vocab_size_divisible_by,
+            cfg.parallelism.tensor_model_parallel_size
         ),
-        max_sequence_length=cfg.max_position_embeddings or cfg.seq_length,
-        position_embedding_type=cfg.position_embedding_type,
-        rotary_percent=cfg.rotary_percent,
-        rotary_base=cfg.rotary_base,
+        max_sequence_length=cfg.model.max_position_embeddings or cfg.model.seq_length,
+        position_embedding_type=cfg.model.position_embedding_type,
+        rotary_percent=cfg.model.rotary_percent,
+        rotary_base=cfg.model.rotary_base,
         share_embeddings_and_output_weights=True,
     )
 
 
 def _check_attention(cfg: TrainConfig, model: torch.nn.Module) -> None:
     """The built model really runs the attention asked for."""
-    if cfg.hla.get("hla_layer_pattern") is not None:
+    if cfg.model.hla_layer_pattern is not None:
         from hla_sp.megatron_patch.hybrid import assert_hybrid_model, layer_pattern
 
-        assert_hybrid_model(model, layer_pattern(cfg.hla["hla_layer_pattern"], cfg.num_layers),
-                            cfg.attention)
-    elif cfg.attention != "softmax":
+        assert_hybrid_model(model, layer_pattern(cfg.model.hla_layer_pattern, cfg.model.num_layers),
+                            cfg.model.attention)
+    elif cfg.model.attention != "softmax":
         from hla_sp.megatron_patch import assert_hla_model
 
-        assert_hla_model(model, cfg.attention)
+        assert_hla_model(model, cfg.model.attention)

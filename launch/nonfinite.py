@@ -41,9 +41,10 @@ def stop_line(cfg: Any, iteration: int, resumed_from: int | None, what: str) -> 
             f"step, nothing saved")
     hint = "(lower --lr, or --no-check-for-nan-in-loss-and-grad to train on regardless)"
     # not one past this iteration (left by a run this one resumed before)
-    good = checkpoint.newest_finite(cfg.save, iteration) if cfg.save else None
-    where = ((cfg.save, good) if good is not None
-             else (cfg.load, resumed_from) if resumed_from is not None and cfg.load
+    good = checkpoint.newest_finite(cfg.checkpoint.save, iteration) if cfg.checkpoint.save else None
+    ck = cfg.checkpoint
+    where = ((ck.save, good) if good is not None
+             else (ck.load, resumed_from) if resumed_from is not None and ck.load
              else None)  # fmt: skip
     if where is None:
         return f"{head}; no finite checkpoint to resume from {hint}"

@@ -311,10 +311,10 @@ def _run_grid(
     """One TorchTrainer per world size; appends a row per grid point to ``rows``."""
     for p in sweep_cfg["world_sizes"]:
         # ascending T: a point that runs out of memory ends only the longer ones
-        mine = sorted((c for q, _, c in points if q == p), key=lambda c: c.seq_length)
+        mine = sorted((c for q, _, c in points if q == p), key=lambda c: c.model.seq_length)
         for st in streams:
             st.point = f"P={p}"
-        print(f"[sweep] P={p}: T in {[c.seq_length for c in mine]} ...", flush=True)
+        print(f"[sweep] P={p}: T in {[c.model.seq_length for c in mine]} ...", flush=True)
         try:
             got = _run_world_size(mine, p, use_gpu, os.path.join(out, "ray_results"))
             error = None
@@ -322,8 +322,8 @@ def _run_grid(
             got, error = {}, f"{type(e).__name__}: {e}"[:2000]
             print(f"[sweep] P={p} failed: {error[:300]}", flush=True)
         for c in mine:
-            t = c.seq_length
-            row: dict[str, Any] = {"world_size": p, "cp": c.context_parallel_size}
+            t = c.model.seq_length
+            row: dict[str, Any] = {"world_size": p, "cp": c.parallelism.context_parallel_size}
             row["seq_length"] = t
             if str(t) in got:
                 row.update(got[str(t)], status="ok")

@@ -55,8 +55,11 @@ def _model_shape(d: dict[str, Any]) -> dict[str, Any]:
 
 def config_diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """``--flag SAVED (checkpoint) != NOW (this run)`` for every model flag that differs;
-    flags the checkpoint does not record (older versions) are not compared."""
-    a, b = _model_shape(saved), _model_shape(now)
+    flags the checkpoint does not record (older versions) are not compared. Either config
+    may be in sections or in the flat form of earlier versions."""
+    from hla_sp.launch.config import flat_config
+
+    a, b = _model_shape(flat_config(saved)), _model_shape(flat_config(now))
     out = []
     for k in b:
         if k in a and a[k] != b[k]:
@@ -69,19 +72,20 @@ def check_skip_train(cfg: TrainConfig) -> None:
     """--skip-train evaluates a checkpoint: it needs one in --load and writes none."""
     from hla_sp.launch.checkpoint import CheckpointError, resume_iteration
 
-    if cfg.save is not None:
+    if cfg.checkpoint.save is not None:
         raise ConfigError(f"--skip-train trains and saves nothing: expected no --save, "
-                          f"got --save {cfg.save}")
-    if cfg.load is None:
+                          f"got --save {cfg.checkpoint.save}")
+    if cfg.checkpoint.load is None:
         raise ConfigError("--skip-train: expected --load naming a directory with a "
                           "checkpoint to evaluate, got no --load")
     try:
-        it = resume_iteration(cfg.load, cfg.ckpt_step)
+        it = resume_iteration(cfg.checkpoint.load, cfg.checkpoint.ckpt_step)
     except CheckpointError as e:
-        raise ConfigError(f"--load {cfg.load}: {e}") from None
+        raise ConfigError(f"--load {cfg.checkpoint.load}: {e}") from None
     if it is None:
         raise ConfigError(f"--skip-train: expected --load naming a directory with a "
-                          f"checkpoint to evaluate, got --load {cfg.load}, which holds none")
+                          f"checkpoint to evaluate, got --load {cfg.checkpoint.load}, which "
+                          f"holds none")
 
 
 def check_load(cfg: TrainConfig) -> None:
@@ -89,14 +93,15 @@ def check_load(cfg: TrainConfig) -> None:
     trainer says so), a checkpoint of another model is refused with the flags that differ."""
     from hla_sp.launch.checkpoint import CheckpointError, latest_iteration, saved_config
 
-    load = cfg.load
+    load = cfg.checkpoint.load
     assert load is not None
-    if cfg.ckpt_step is not None and not os.path.isdir(load):
-        raise ConfigError(f"--load {load} --ckpt-step {cfg.ckpt_step}: no such directory.")
+    step = cfg.checkpoint.ckpt_step
+    if step is not None and not os.path.isdir(load):
+        raise ConfigError(f"--load {load} --ckpt-step {step}: no such directory.")
     if not os.path.isdir(load):
         return  # nothing to resume: a fresh start, as in Megatron
     try:
-        it = latest_iteration(load) if cfg.ckpt_step is None else cfg.ckpt_step
+        it = latest_iteration(load) if step is None else step
         if it is None:
             return
         saved = saved_config(load, it)

@@ -45,15 +45,15 @@ __all__ = ["Trainer", "main", "run"]
 
 
 def _banner(cfg: TrainConfig, topo: Topology, trainer: Trainer) -> str:
-    n = sum(p.numel() for p in trainer.model.parameters())
+    n, m = sum(p.numel() for p in trainer.model.parameters()), cfg.model
     return (
-        f"hla-sp train: {cfg.attention} GPT, {cfg.num_layers} layers x {cfg.hidden_size} hidden, "
-        f"{cfg.num_attention_heads} heads, {n:,} parameters (per TP rank); seq {cfg.seq_length:,}, "
+        f"hla-sp train: {m.attention} GPT, {m.num_layers} layers x {m.hidden_size} hidden, "
+        f"{m.num_attention_heads} heads, {n:,} parameters (per TP rank); seq {m.seq_length:,}, "
         f"global batch {trainer.global_batch}; world {topo.world_size} = TP {topo.tp} x "
         f"CP {topo.cp} x DP {topo.dp} on {dist.get_backend()} ({topo.device.type}); "
-        f"data {cfg.data}{' ' + ','.join(cfg.data_path) if cfg.data_path else ''}"
-        + (f"; {'bf16' if cfg.bf16 else 'fp16'} with fp32 master weights"
-           if cfg.bf16 or cfg.fp16 else "")
+        f"data {cfg.data.data}{' ' + ','.join(cfg.data.data_path) if cfg.data.data_path else ''}"
+        + (f"; {'bf16' if cfg.precision.bf16 else 'fp16'} with fp32 master weights"
+           if cfg.precision.bf16 or cfg.precision.fp16 else "")
         + (f"; resumed at iteration {trainer.iteration}" if trainer.resumed_from is not None
            else "")
     )
@@ -65,23 +65,26 @@ def _announce_start(cfg: TrainConfig) -> bool:
     --save directory with checkpoints that this run does not resume is overwritten.
     Returns False when there is nothing to train."""
     first = int(os.environ.get("RANK", dist.get_rank() if dist.is_initialized() else 0)) == 0
-    resume = checkpoint.resume_iteration(cfg.load, cfg.ckpt_step)
-    if cfg.load is not None and resume is None:
+    resume = checkpoint.resume_iteration(cfg.checkpoint.load, cfg.checkpoint.ckpt_step)
+    if cfg.checkpoint.load is not None and resume is None:
         if first:
-            metrics.say(f"--load {cfg.load}: no checkpoint there, starting from iteration 0")
-    elif resume is not None and resume >= cfg.train_iters and not cfg.skip_train:
+            metrics.say(f"--load {cfg.checkpoint.load}: no checkpoint there, starting from "
+                        f"iteration 0")
+    elif (resume is not None and resume >= cfg.optimizer.train_iters
+          and not cfg.evaluation.skip_train):
         if first:  # (hla-sp train says this itself, before starting torchrun)
             metrics.say(nothing_to_do(cfg) or "nothing to do")
         return False
-    if cfg.save is not None and resume is None and os.path.isdir(cfg.save):
+    if cfg.checkpoint.save is not None and resume is None and os.path.isdir(cfg.checkpoint.save):
         try:
-            old = checkpoint.latest_iteration(cfg.save)
+            old = checkpoint.latest_iteration(cfg.checkpoint.save)
         except checkpoint.CheckpointError:
             old = None
         if old is not None and first:
             metrics.say(
-                f"--save {cfg.save} holds checkpoints up to iteration {old}; this run starts "
-                f"at 0 and its checkpoints replace them (pass --load {cfg.save} to resume)"
+                f"--save {cfg.checkpoint.save} holds checkpoints up to iteration {old}; this run "
+                f"starts at 0 and its checkpoints replace them (pass --load {cfg.checkpoint.save} "
+                f"to resume)"
             )
     return True
 
@@ -102,21 +105,22 @@ def run(
     if not _announce_start(cfg):
         return []  # a finished run: nothing to do (every rank reads the same files)
     topo = init_distributed(
-        cfg.tensor_model_parallel_size, cfg.context_parallel_size, cfg.distributed_timeout_minutes
+        cfg.parallelism.tensor_model_parallel_size, cfg.parallelism.context_parallel_size,
+        cfg.parallelism.distributed_timeout_minutes
     )
     metrics.reset_peak_memory()  # count this run: model, optimizer, activations
     heartbeat = faults.Heartbeat(topo.rank)
     faults.install_sigterm_handler()
-    signals.install(graceful=cfg.exit_signal_handler)  # SIGTERM too, with the flag
+    signals.install(graceful=cfg.checkpoint.exit_signal_handler)  # SIGTERM too, with the flag
     trainer: Trainer | None = None
     try:
         # --save: one run at a time; rank 0 locks it before anything is written there,
         # and a refusal stops every rank (released on each exit below)
-        checkpoint.hold(cfg.save, topo.rank, cfg.break_save_lock)
+        checkpoint.hold(cfg.checkpoint.save, topo.rank, cfg.checkpoint.break_save_lock)
         trainer = Trainer(cfg, topo)
         if topo.is_first:
             metrics.say(_banner(cfg, topo, trainer))
-        if cfg.skip_train:
+        if cfg.evaluation.skip_train:
             records = [trainer.evaluate_checkpoint()]
             if topo.is_first:
                 metrics.say(_evaluation_line(cfg, records[0]))
@@ -200,9 +204,10 @@ def _say_trained(cfg: TrainConfig, trainer: Trainer, records: list[dict[str, Any
             f"{len(records)} iterations; peak memory per rank "
             f"{[metrics.gib(m) for m in records[-1]['peak_mem_bytes_per_rank']]}"
         )
-    if cfg.log_jsonl:
-        metrics.say(f"metrics: {os.path.abspath(cfg.log_jsonl)} (one JSON line per iteration)")
-        metrics.say(metrics.plot_run(cfg.log_jsonl))
+    if cfg.logging.log_jsonl:
+        metrics.say(f"metrics: {os.path.abspath(cfg.logging.log_jsonl)} (one JSON line per "
+                    f"iteration)")
+        metrics.say(metrics.plot_run(cfg.logging.log_jsonl))
     if trainer.stopped_by:
         metrics.say(_stopped_line(cfg, trainer))
 
@@ -211,18 +216,19 @@ def _evaluation_line(cfg: TrainConfig, rec: dict[str, Any]) -> str:
     """The result of --skip-train, in one line."""
     acc = (f", recall accuracy {rec['val_recall_acc']:.4f}" if "val_recall_acc" in rec
            else "")
-    return (f"evaluated the checkpoint at iteration {rec['iteration']} in {cfg.load}: "
-            f"held-out loss {rec['val_loss']:.4f}{acc} ({cfg.eval_iters} batches of "
+    return (f"evaluated the checkpoint at iteration {rec['iteration']} in {cfg.checkpoint.load}: "
+            f"held-out loss {rec['val_loss']:.4f}{acc} ({cfg.evaluation.eval_iters} batches of "
             f"{rec['samples_per_batch']})")
 
 
 def _stopped_line(cfg: TrainConfig, trainer: Trainer) -> str:
     """The one line after a signal under --exit-signal-handler: where, and how to resume."""
     head = (f"stopped by {signals.name(trainer.stopped_by or 0)} after iteration "
-            f"{trainer.iteration}/{cfg.train_iters}")
-    if not cfg.save:
+            f"{trainer.iteration}/{cfg.optimizer.train_iters}")
+    if not cfg.checkpoint.save:
         return f"{head}; nothing saved (no --save), so a rerun starts from iteration 0"
-    return f"{head}; resume with: {signals.resume_command(cfg.save, cfg.load)}"
+    ck = cfg.checkpoint
+    return f"{head}; resume with: {signals.resume_command(ck.save, ck.load)}"
 
 
 def main(argv: list[str] | None = None) -> int:

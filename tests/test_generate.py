@@ -179,9 +179,9 @@ def test_main_errors_in_one_line(ckpt, tmp_path, capsys, case, match):
         cfg_path = load / "iter_0000003" / "config.json"
         saved = json.loads(cfg_path.read_text())
         if case == "softmax":
-            saved["hla"]["attention"] = "softmax"
+            saved["model"]["attention"] = "softmax"
         else:
-            saved["hidden_size"] = 48
+            saved["model"]["hidden_size"] = 48
         cfg_path.write_text(json.dumps(saved))
         # a consistent checkpoint whose config does not fit its weights: record the
         # edited file's digest, or the manifest check refuses it first

@@ -28,9 +28,10 @@ def test_megatron_spellings_parse() -> None:
         "--tensor-model-parallel-size 1 --recompute-activations --attention ahla"
     )
     cfg = parse_args(argv.split(" "))
-    assert (cfg.num_layers, cfg.num_query_groups, cfg.global_batch_size) == (3, 2, 4)
-    assert cfg.recompute_activations and cfg.attention == "ahla"
-    assert cfg.hla["hla_decay"]  # HLA flags came from megatron_patch.add_hla_args
+    m = cfg.model
+    assert (m.num_layers, m.num_query_groups, cfg.optimizer.global_batch_size) == (3, 2, 4)
+    assert cfg.model.recompute_activations and cfg.model.attention == "ahla"
+    assert cfg.hla.decay  # HLA flags came from megatron_patch.add_hla_args
 
 
 @pytest.mark.parametrize(

@@ -27,13 +27,14 @@ BLOW_UP = ["--override-opt_param-scheduler", "--lr", "1e25", "--min-lr", "1e25",
 
 
 def test_the_flag_is_on_by_default_and_has_a_no_form(tmp_path: Path) -> None:
-    assert parse_args(TINY).check_for_nan_in_loss_and_grad is True
-    assert parse_args([*TINY, "--check-for-nan-in-loss-and-grad"]).check_for_nan_in_loss_and_grad
+    assert parse_args(TINY).optimizer.check_for_nan_in_loss_and_grad is True
+    assert parse_args([*TINY, "--check-for-nan-in-loss-and-grad"]
+                      ).optimizer.check_for_nan_in_loss_and_grad
     assert not parse_args([*TINY, "--no-check-for-nan-in-loss-and-grad"]
-                          ).check_for_nan_in_loss_and_grad
+                          ).optimizer.check_for_nan_in_loss_and_grad
     toml = tmp_path / "run.toml"
     toml.write_text("check_for_nan_in_loss_and_grad = false\n")
-    assert not parse_args([*TINY, "--config", str(toml)]).check_for_nan_in_loss_and_grad
+    assert not parse_args([*TINY, "--config", str(toml)]).optimizer.check_for_nan_in_loss_and_grad
 
 
 def test_non_finite_training_stops_in_one_line_with_nothing_saved(tmp_path: Path) -> None:

@@ -179,4 +179,4 @@ def test_split_holds_out_validation_windows() -> None:
 def test_checkpoint_config_json_is_what_load_compares(resumed: dict) -> None:
     saved = json.loads((Path(checkpoint.iter_dir(str(resumed["ck"]), 8)) / "config.json")
                        .read_text())
-    assert saved["hidden_size"] == 32 and saved["bf16"] is True
+    assert saved["model"]["hidden_size"] == 32 and saved["precision"]["bf16"] is True

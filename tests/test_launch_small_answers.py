@@ -50,18 +50,22 @@ def test_several_config_files_merge_in_order_command_line_last(tmp_path: Path) -
                                   "[train]\nlr = 0.01\nbf16 = true\n")
     b = _toml(tmp_path, "b.toml", "hidden_size = 128\nbf16 = false\nseq_length = 512\n")
     cfg = parse_args(["--config", a, "--config", b, "--seq-length", "1024"], raise_errors=True)
-    assert cfg.num_layers == 3 and cfg.lr == 0.01  # from a only
-    assert cfg.hidden_size == 128 and cfg.bf16 is False  # b replaces a, a false included
-    assert cfg.seq_length == 1024  # the command line last
+    assert cfg.model.num_layers == 3 and cfg.optimizer.lr == 0.01  # from a only
+    # b replaces a, a false included
+    assert cfg.model.hidden_size == 128 and cfg.precision.bf16 is False
+    assert cfg.model.seq_length == 1024  # the command line last
     cfg = parse_args([f"--config={b}", "--config", a], raise_errors=True)
-    assert cfg.hidden_size == 96 and cfg.bf16 is True and cfg.seq_length == 512
+    assert cfg.model.hidden_size == 96 and cfg.precision.bf16 is True
+    assert cfg.model.seq_length == 512
 
 
 @pytest.mark.parametrize(("text", "needle"), [
-    ("[model]\nseq_length = 128\n[data]\nseq_length = 256\n",
-     "seq_length is given twice, as 'seq_length' in [model] and as 'seq_length' in [data]"),
-    ("seq_length = 128\n[data]\nseq-length = 256\n",
-     "seq_length is given twice, as 'seq_length' in the top level and as 'seq-length' in [data]"),
+    ("[model]\nseq_length = 128\n[run]\nseq_length = 256\n",
+     "seq_length is given twice, as 'seq_length' in [model] and as 'seq_length' in [run]"),
+    ("seq_length = 128\n[model]\nseq-length = 256\n",
+     "seq_length is given twice, as 'seq_length' in the top level and as 'seq-length' in [model]"),
+    # a section's table holds that section's keys: the one of another is named
+    ("[data]\nseq_length = 256\n", "[data] seq_length: expected in [model], not in [data]"),
 ])
 def test_a_key_given_twice_is_refused_naming_both_places(
     tmp_path: Path, text: str, needle: str
@@ -80,7 +84,7 @@ def test_values_cannot_inject_flags(tmp_path: Path, text: str, needle: str | Non
     path = _toml(tmp_path, "run.toml", text)
     if needle is None:
         cfg = parse_args(["--config", path], raise_errors=True)
-        assert cfg.wandb_project == "--num-layers=7" and cfg.num_layers == 2
+        assert cfg.logging.wandb_project == "--num-layers=7" and cfg.model.num_layers == 2
         return
     with pytest.raises(ConfigError, match="data_path: expected values, got") as e:
         parse_args(["--config", path], raise_errors=True)
@@ -89,7 +93,7 @@ def test_values_cannot_inject_flags(tmp_path: Path, text: str, needle: str | Non
 
 def test_weights_in_a_config_list_stay_values(tmp_path: Path) -> None:
     path = _toml(tmp_path, "run.toml", 'data_path = [0.5, "A", 0.5, "B"]\n')
-    assert parse_args(["--config", path], raise_errors=True).data_path == [
+    assert parse_args(["--config", path], raise_errors=True).data.data_path == [
         "0.5", "A", "0.5", "B"]
 
 
@@ -98,7 +102,7 @@ def test_weights_in_a_config_list_stay_values(tmp_path: Path) -> None:
 
 def test_recorded_default_equals_the_explicit_value() -> None:
     saved = parse_args([]).to_dict()  # heads 4, hidden 64: defaults recorded as None
-    assert saved["num_query_groups"] is None and saved["ffn_hidden_size"] is None
+    assert saved["model"]["num_query_groups"] is None and saved["model"]["ffn_hidden_size"] is None
     now = parse_args(["--num-query-groups", "4", "--ffn-hidden-size", "256",
                       "--vocab-size", "257"]).to_dict()
     assert config_diff(saved, now) == []

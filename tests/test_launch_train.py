@@ -77,7 +77,8 @@ def test_checkpoints_are_complete_and_weights_only(runs: dict) -> None:
     # model_optim: the tensors, a torch.distributed.checkpoint directory
     assert names == ["common.pt", "config.json", "manifest.json", "model_optim",
                      "rng_rank00000.pt", "rng_rank00001.pt"]
-    assert json.loads((ckpt / "iter_0000003" / "config.json").read_text())["seq_length"] == 64
+    saved = json.loads((ckpt / "iter_0000003" / "config.json").read_text())
+    assert saved["model"]["seq_length"] == 64
     assert (ckpt / "iter_0000003" / "model_optim" / ".metadata").is_file()
     for name in ("common.pt", "rng_rank00000.pt", "rng_rank00001.pt"):
         torch.load(ckpt / "iter_0000003" / name, weights_only=True)

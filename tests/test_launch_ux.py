@@ -92,8 +92,8 @@ def test_toml_tables_group_keys_and_the_command_line_wins(tmp_path: Path) -> Non
     f.write_text('[model]\nnum-layers = 3\nhidden_size = 32\n[optim]\nlr = 0.01\n'
                  "hla_first_order = false\n")
     cfg = parse_args(["--config", str(f), "--lr", "0.5"])
-    assert (cfg.num_layers, cfg.hidden_size, cfg.lr) == (3, 32, 0.5)
-    assert cfg.hla["hla_first_order"] is False
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.optimizer.lr) == (3, 32, 0.5)
+    assert cfg.hla.first_order is False
 
 
 @pytest.mark.parametrize(("text", "needle"), [

@@ -251,7 +251,7 @@ def test_trainer_hybrid_pattern():
 
     base = ["--num-layers", "4", "--seq-length", "64", "--hla-layer-pattern"]
     cfg = parse_args([*base, "([1]*3+[0])"])
-    assert cfg.hla["hla_layer_pattern"] == [1, 1, 1, 0]
+    assert cfg.model.hla_layer_pattern == [1, 1, 1, 0]
     block = layer_spec(cfg)
     cores = [s.submodules.self_attention.submodules.core_attention for s in block.layer_specs]
     from hla_sp.megatron_patch.specs import is_hla_builder

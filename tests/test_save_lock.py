@@ -108,7 +108,7 @@ def test_another_hosts_holder_is_refused_naming_the_flag_that_breaks_it(
     with pytest.raises(checkpoint.SaveLockError, match="--break-save-lock"):
         checkpoint.SaveLock(str(save)).acquire()
     cfg = parse_args([*TINY, "--save", str(save), "--break-save-lock"])
-    assert cfg.break_save_lock
+    assert cfg.checkpoint.break_save_lock
     checkpoint.preflight(cfg)
     with checkpoint.SaveLock(str(save)) as mine:
         mine.acquire(break_lock=True)

@@ -49,19 +49,20 @@ def estimate_checkpoint_bytes(cfg: Any) -> int:
     from hla_sp.launch.data import BYTE_VOCAB
     from hla_sp.launch.model import padded_vocab_size
 
-    h, heads = cfg.hidden_size, cfg.num_attention_heads
-    kv = h * (cfg.num_query_groups or heads) // heads
-    ffn = cfg.ffn_hidden_size or 4 * h
-    vocab = padded_vocab_size(cfg.vocab_size or BYTE_VOCAB, cfg.make_vocab_size_divisible_by,
-                              cfg.tensor_model_parallel_size)
+    h, heads = cfg.model.hidden_size, cfg.model.num_attention_heads
+    kv = h * (cfg.model.num_query_groups or heads) // heads
+    ffn = cfg.model.ffn_hidden_size or 4 * h
+    vocab = padded_vocab_size(cfg.model.vocab_size or BYTE_VOCAB,
+                              cfg.model.make_vocab_size_divisible_by,
+                              cfg.parallelism.tensor_model_parallel_size)
     positions = 0
-    if cfg.position_embedding_type == "learned_absolute":
-        positions = cfg.max_position_embeddings or cfg.seq_length
+    if cfg.model.position_embedding_type == "learned_absolute":
+        positions = cfg.model.max_position_embeddings or cfg.model.seq_length
     layer = (h * (h + 2 * kv) + h + 2 * kv) + (h * h + h) + (2 * h * ffn + ffn + h) + 4 * h
-    params = (vocab + positions) * h + cfg.num_layers * layer + 2 * h
-    half = cfg.bf16 or cfg.fp16
+    params = (vocab + positions) * h + cfg.model.num_layers * layer + 2 * h
+    half = cfg.precision.bf16 or cfg.precision.fp16
     copies = 4 if half else 3  # weights, (fp32 masters,) two moments: one DCP item each
-    items = copies * (cfg.num_layers * _TENSORS_PER_LAYER + 4)
+    items = copies * (cfg.model.num_layers * _TENSORS_PER_LAYER + 4)
     return params * ((2 + 4) if half else 4) + params * 8 + items * _ITEM_BYTES
 
 
@@ -85,7 +86,7 @@ def check_save_dir(cfg: Any) -> None:
     ``ConfigError`` with the number."""
     from hla_sp.launch.errors import ConfigError
 
-    save, keep = cfg.save, getattr(cfg, "keep_last", None)
+    save, keep = cfg.checkpoint.save, getattr(cfg.checkpoint, "keep_last", None)
     if keep is not None and (isinstance(keep, bool) or keep < 1):
         raise ConfigError(f"--keep-last: expected an integer >= 1, got {keep!r}")
     if save is None:
@@ -112,8 +113,8 @@ def check_save_dir(cfg: Any) -> None:
                     f"{os.readlink(os.path.join(save, name))}); a save renames directories "
                     f"into place and would replace it: move the link away, or --save elsewhere")
         theirs = complete_iterations(save)
-        mine = cfg.load is not None and os.path.isdir(cfg.load) and os.path.samefile(
-            cfg.load, save)
+        load = cfg.checkpoint.load
+        mine = load is not None and os.path.isdir(load) and os.path.samefile(load, save)
         if (theirs or os.path.isfile(os.path.join(save, LATEST))) and not mine:
             held = (f"iterations {theirs[0]}..{theirs[-1]}" if len(theirs) > 1
                     else f"iteration {theirs[0]}" if theirs else f"a {LATEST}")
@@ -122,7 +123,7 @@ def check_save_dir(cfg: Any) -> None:
                 f"{save} to resume that run, or --save a new directory")
     # the size of one checkpoint now: the newest on disk, else the model's estimate
     sized = None
-    for root in (cfg.load, save):
+    for root in (cfg.checkpoint.load, save):
         done = complete_iterations(root) if root and os.path.isdir(root) else []
         if done:
             sized = (dir_bytes(iter_dir(root, done[-1])), iter_dir(root, done[-1]))
@@ -159,7 +160,11 @@ _SCHEDULE = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_style", "weight_decay"
 def schedule_diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """``--flag SAVED (checkpoint) != NOW (this run)`` for each learning-rate schedule
     value that differs, the decay length included (--lr-decay-iters, which defaults to
-    --train-iters); values the checkpoint does not record are not compared."""
+    --train-iters); values the checkpoint does not record are not compared. Either
+    config may be in sections or in the flat form of earlier versions."""
+    from hla_sp.launch.config import flat_config
+
+    saved, now = flat_config(saved), flat_config(now)
     out = []
     for k in _SCHEDULE:
         if k in saved and k in now and saved[k] != now[k]:
@@ -180,25 +185,26 @@ def check_resume_schedule(cfg: Any) -> None:
     --use-checkpoint-opt_param-scheduler (the checkpoint's schedule wins) says which."""
     from hla_sp.launch.errors import ConfigError
 
-    override = getattr(cfg, "override_opt_param_scheduler", False)
-    use_ckpt = getattr(cfg, "use_checkpoint_opt_param_scheduler", False)
+    override = getattr(cfg.checkpoint, "override_opt_param_scheduler", False)
+    use_ckpt = getattr(cfg.checkpoint, "use_checkpoint_opt_param_scheduler", False)
     if override and use_ckpt:
         raise ConfigError(
             "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude "
             "each other: pass the one that says whose schedule to trust")
     try:
-        it = resume_iteration(cfg.load, cfg.ckpt_step)
-        saved = saved_config(cfg.load, it) if it is not None else None
+        it = resume_iteration(cfg.checkpoint.load, cfg.checkpoint.ckpt_step)
+        saved = saved_config(cfg.checkpoint.load, it) if it is not None else None
     except CheckpointError as e:
-        raise ConfigError(f"--load {cfg.load}: {e}") from None
+        raise ConfigError(f"--load {cfg.checkpoint.load}: {e}") from None
     # --skip-train takes no step, so the schedule it would resume does not matter
-    if saved is None or override or use_ckpt or getattr(cfg, "skip_train", False):
+    if saved is None or override or use_ckpt or getattr(cfg.evaluation, "skip_train", False):
         return
     diff = schedule_diff(saved, cfg.to_dict())
     if diff:
         raise ConfigError(
-            f"--load {cfg.load}: the checkpoint at iteration {it} has another learning-rate "
-            f"schedule: " + "; ".join(diff) + ". Pass --use-checkpoint-opt_param-scheduler to "
+            f"--load {cfg.checkpoint.load}: the checkpoint at iteration {it} has another "
+            f"learning-rate schedule: " + "; ".join(diff) + ". Pass "
+            "--use-checkpoint-opt_param-scheduler to "
             "keep the checkpoint's, or --override-opt_param-scheduler to apply this run's "
             "(Megatron's flags)")
 
@@ -213,23 +219,22 @@ def nothing_to_do(cfg: Any, argv: list[str] | None = None) -> str | None:
     checkpoint's schedule (--use-checkpoint-opt_param-scheduler), so that the new
     iterations continue at --min-lr instead of jumping back up a longer decay.
     """
-    import dataclasses
     import shlex
 
     from hla_sp.launch import signals
 
-    if getattr(cfg, "skip_train", False) or cfg.load is None:
+    if getattr(cfg.evaluation, "skip_train", False) or cfg.checkpoint.load is None:
         return None
-    resume = resume_iteration(cfg.load, cfg.ckpt_step)
-    if resume is None or resume < cfg.train_iters:
+    resume = resume_iteration(cfg.checkpoint.load, cfg.checkpoint.ckpt_step)
+    if resume is None or resume < cfg.optimizer.train_iters:
         return None
-    more = resume + cfg.train_iters
+    more = resume + cfg.optimizer.train_iters
     changes: dict[str, list[str]] = {"--train-iters": [str(more)]}
-    saved = saved_config(cfg.load, resume)
-    now = dataclasses.replace(cfg, train_iters=more).to_dict()
+    saved = saved_config(cfg.checkpoint.load, resume)
+    now = cfg.replace(train_iters=more).to_dict()
     if (saved is not None and schedule_diff(saved, now)
-            and not cfg.override_opt_param_scheduler
-            and not cfg.use_checkpoint_opt_param_scheduler):
+            and not cfg.checkpoint.override_opt_param_scheduler
+            and not cfg.checkpoint.use_checkpoint_opt_param_scheduler):
         changes["--use-checkpoint-opt_param-scheduler"] = []
     cmd = shlex.join(signals.edit_command(argv if argv is not None else signals.own_command(),
                                           set_values=changes))
@@ -237,8 +242,8 @@ def nothing_to_do(cfg: Any, argv: list[str] | None = None) -> str | None:
             "schedule, so the new iterations run at --min-lr (--override-opt_param-scheduler "
             "instead decays over the new --train-iters)"
             if "--use-checkpoint-opt_param-scheduler" in changes else "")
-    return (f"nothing to do: the checkpoint in {cfg.load} is at iteration {resume}, and "
-            f"--train-iters is {cfg.train_iters}; to train further: {cmd}{keep}")
+    return (f"nothing to do: the checkpoint in {cfg.checkpoint.load} is at iteration {resume}, and "
+            f"--train-iters is {cfg.optimizer.train_iters}; to train further: {cmd}{keep}")
 
 
 def check_resume_layout(cfg: Any) -> None:
@@ -248,18 +253,18 @@ def check_resume_layout(cfg: Any) -> None:
     from hla_sp.launch.errors import ConfigError
 
     try:
-        it = resume_iteration(cfg.load, cfg.ckpt_step)
+        it = resume_iteration(cfg.checkpoint.load, cfg.checkpoint.ckpt_step)
     except CheckpointError:
         return  # check_resume_schedule has said why
     if it is None:
         return
-    d = checkpoint_dir(cfg.load, it)
+    d = checkpoint_dir(cfg.checkpoint.load, it)
     if os.path.isfile(os.path.join(d, COMMON)) or not os.path.isfile(
             os.path.join(d, LEGACY_MODEL)):
         return
-    why = legacy.tp_mismatch(d, cfg.tensor_model_parallel_size)
+    why = legacy.tp_mismatch(d, cfg.parallelism.tensor_model_parallel_size)
     if why:
-        raise ConfigError(f"--load {cfg.load}: {why}")
+        raise ConfigError(f"--load {cfg.checkpoint.load}: {why}")
 
 
 def preflight(cfg: Any) -> None:
@@ -270,6 +275,6 @@ def preflight(cfg: Any) -> None:
     from hla_sp.launch.checkpoint.lock import check_save_lock
 
     check_save_dir(cfg)
-    check_save_lock(cfg.save, getattr(cfg, "break_save_lock", False))
+    check_save_lock(cfg.checkpoint.save, getattr(cfg.checkpoint, "break_save_lock", False))
     check_resume_schedule(cfg)
     check_resume_layout(cfg)

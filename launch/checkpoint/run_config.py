@@ -60,11 +60,14 @@ def _type_error(name: str, value: Any, hint: Any) -> str | None:
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        hint = next(a for a in args if a is not type(None))
+        wants = [_type_error(name, value, a) for a in args if a is not type(None)]
+        return None if None in wants else " or ".join(w for w in wants if w)
     origin = typing.get_origin(hint)
     if origin is list:
-        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
-        return None if ok else "a list of strings"
+        elem = (typing.get_args(hint) or (str,))[0]
+        ok = isinstance(value, list) and all(
+            isinstance(v, elem) and not isinstance(v, bool) for v in value)
+        return None if ok else f"a list of {'strings' if elem is str else 'integers'}"
     if origin is dict or hint is dict:
         if not isinstance(value, dict):
             return "an object"
@@ -88,24 +91,38 @@ def _type_error(name: str, value: Any, hint: Any) -> str | None:
 
 
 def check_config_dict(cfg: Any, where: str) -> dict[str, Any]:
-    """A saved trainer config, every known key of the right type; keys this version does
-    not know (a newer trainer's) are kept. Raises :class:`CheckpointError` naming the
-    key, its value and what was expected."""
+    """A saved trainer config, in sections or in the flat form of earlier versions, every
+    known key of the right type; keys this version does not know (a newer trainer's) are
+    kept. Raises :class:`CheckpointError` naming the key, its value and what was expected."""
     import dataclasses
     import typing
 
-    from hla_sp.launch.config import TrainConfig
+    from hla_sp.launch.config import SECTIONS, is_sectioned
 
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{where}: expected a JSON object of flags, got {type(cfg).__name__}")
-    hints = typing.get_type_hints(TrainConfig)
-    for f in dataclasses.fields(TrainConfig):
-        if f.name in cfg:
-            want = _type_error(f.name, cfg[f.name], hints[f.name])
-            if want:
+    if is_sectioned(cfg):
+        tables = [(f"{name}.", cls, cfg.get(name)) for name, cls in SECTIONS.items()]
+        for name in ("hla", *SECTIONS):
+            if name in cfg and not isinstance(cfg[name], dict):
                 raise CheckpointError(
-                    f"{where}: key {f.name!r}: expected {want}, got {cfg[f.name]!r:.60}; the "
+                    f"{where}: key {name!r}: expected an object, got {cfg[name]!r:.60}; the "
                     f"file is corrupt or was not written by this trainer")
+    else:  # flat: every section's fields at the top, and the hla table
+        tables = [("", cls, cfg) for cls in SECTIONS.values()]
+        tables.append(("", type("Flat", (), {"__annotations__": {"hla": dict}}), cfg))
+    for prefix, cls, values in tables:
+        hints = typing.get_type_hints(cls)
+        names = ([f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls)
+                 else list(hints))
+        for name in names:
+            if values and name in values:
+                want = _type_error(name, values[name], hints[name])
+                if want:
+                    raise CheckpointError(
+                        f"{where}: key {prefix + name!r}: expected {want}, got "
+                        f"{values[name]!r:.60}; the file is corrupt or was not written by "
+                        f"this trainer")
     return cfg
 
 
