@@ -1,8 +1,8 @@
 """Run the trainer under torchrun on this machine and read back its JSONL (tests, benchmarks).
 
-:func:`run_local` is one torchrun "node"; :func:`run_nodes` starts several torchrun
-processes that meet at a c10d rendezvous on 127.0.0.1 (a free port), which is how the
-multi-node path is exercised without a cluster.
+:func:`run_local` is one torchrun "node"; :func:`torchrun_argv` and :func:`worker_env`
+are its command and environment, from which the multi-node test starts several that meet
+at a c10d rendezvous.
 """
 
 from __future__ import annotations
@@ -12,11 +12,8 @@ import os
 import subprocess
 import sys
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
-
-from hla_sp.launch.distributed import free_port
 
 # glibc raises its mmap threshold after large frees; later large tensors then come from
 # the heap, which does not shrink, and CPU memory creeps up. A fixed threshold returns
@@ -48,7 +45,9 @@ def read_jsonl(path: str, events: bool = False) -> list[dict[str, Any]]:
     return rows if events else [r for r in rows if "event" not in r]
 
 
-def _env(extra: dict[str, str] | None) -> dict[str, str]:
+def worker_env(extra: dict[str, str] | None) -> dict[str, str]:
+    """This environment for a torchrun worker: one OpenMP thread, the fixed mmap
+    threshold, unbuffered output, then ``extra``."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("MALLOC_MMAP_THRESHOLD_", MALLOC_MMAP_THRESHOLD)
@@ -83,51 +82,6 @@ def run_local(
         stderr=subprocess.STDOUT,
         text=True,
         timeout=timeout,
-        env=_env(env),
+        env=worker_env(env),
     )
     return LocalRun(p.returncode, p.stdout, time.perf_counter() - t0, read_jsonl(jsonl))
-
-
-def run_nodes(
-    flags: list[str],
-    nnodes: int,
-    nproc_per_node: int,
-    jsonl: str,
-    *,
-    timeout: float = 600,
-    env: dict[str, str] | None = None,
-) -> list[LocalRun]:
-    """NNODES torchrun processes meeting at a c10d rendezvous on 127.0.0.1:<free port>.
-
-    Every node gets the same flags; rank 0 (on whichever node the rendezvous puts it)
-    writes the JSONL, which is attached to the first returned run.
-    """
-    if os.path.exists(jsonl):
-        os.remove(jsonl)
-    endpoint = f"127.0.0.1:{free_port()}"
-    rdzv = ["--nnodes", str(nnodes), "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", endpoint, "--rdzv-id", uuid.uuid4().hex[:12]]  # fmt: skip
-    t0 = time.perf_counter()
-    procs = [
-        subprocess.Popen(
-            torchrun_argv(nproc_per_node, [*flags, "--log-jsonl", jsonl], rdzv),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=_env(env),
-        )
-        for _ in range(nnodes)
-    ]
-    runs = []
-    try:
-        for p in procs:
-            left = max(1.0, timeout - (time.perf_counter() - t0))
-            out, _ = p.communicate(timeout=left)
-            runs.append(LocalRun(p.returncode, out, time.perf_counter() - t0))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    runs[0].records = read_jsonl(jsonl)
-    return runs

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import struct
 import sys
 from collections.abc import Iterator
 
@@ -79,36 +78,6 @@ def make_dataset(
     os.replace(tmp + ".bin", output_prefix + ".bin")
     os.replace(tmp + ".idx", output_prefix + ".idx")
     return {"files": files, "documents": docs, "tokens": tokens}
-
-
-def write_synthetic(
-    output_prefix: str, sequences: int, tokens_per_sequence: int, block: int = 1 << 22
-) -> dict[str, int]:
-    """A synthetic Megatron dataset of ``sequences`` one-sequence documents of
-    ``tokens_per_sequence`` uint16 tokens each, for scale tests: the index is written in
-    blocks (memory stays flat at 10^8 sequences, a 2 GB .idx) and the .bin is a sparse
-    file of zeros of the right size, so it takes no disk until read."""
-    item = 2
-    n_tokens = sequences * tokens_per_sequence
-    os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
-    with open(output_prefix + ".bin", "wb") as f:
-        f.truncate(n_tokens * item)
-    with open(output_prefix + ".idx", "wb") as f:
-        # the layout megatron-core's _IndexWriter writes: header, lengths, pointers, documents
-        f.write(b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", 8))
-        f.write(struct.pack("<QQ", sequences, sequences + 1))
-        for lo in range(0, sequences, block):
-            k = min(block, sequences - lo)
-            f.write(np.full(k, tokens_per_sequence, dtype=np.int32).tobytes())
-        for lo in range(0, sequences, block):
-            k = min(block, sequences - lo)
-            ptr = np.arange(lo, lo + k, dtype=np.int64) * (tokens_per_sequence * item)
-            f.write(ptr.tobytes())
-        for lo in range(0, sequences + 1, block):
-            k = min(block, sequences + 1 - lo)
-            f.write(np.arange(lo, lo + k, dtype=np.int64).tobytes())
-    return {"sequences": sequences, "tokens": n_tokens,
-            "idx_bytes": os.path.getsize(output_prefix + ".idx")}
 
 
 def main(argv: list[str] | None = None) -> int:

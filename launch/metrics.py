@@ -45,15 +45,6 @@ def reset_peak_memory() -> None:
         pass
 
 
-def current_rss_bytes() -> int:
-    """Resident memory now (Linux /proc), 0 where unavailable."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
 def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 

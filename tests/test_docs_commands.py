@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from hla_sp.launch.checks import validate
 from hla_sp.launch.config import FIELD_SECTION, ConfigError, flag_names, parse_args
-from hla_sp.launch.local import _env
+from hla_sp.launch.local import worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 HLA_SP = os.path.join(os.path.dirname(sys.executable), "hla-sp")
@@ -50,7 +50,7 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
     (d / "a.txt").write_text("hello world, " * 162_000)
     prefix = str(d / "corpus_text_document")
     subprocess.run([HLA_SP, "make-dataset", "--input", str(d / "a.txt"), "--output-prefix",
-                    prefix], check=True, capture_output=True, env=_env(None))
+                    prefix], check=True, capture_output=True, env=worker_env(None))
     return prefix
 
 
@@ -116,7 +116,7 @@ def test_make_demo_line_passes_dry_run() -> None:
     text = (ROOT / "Makefile").read_text()
     line = re.search(r"^demo:.*?\n\t(.*?)\n\n", text, flags=re.S | re.M).group(1)
     argv = shlex.split(re.sub(r"\\\n\s*", " ", line).replace("$(PY)", sys.executable))
-    p = subprocess.run([*argv, "--dry-run"], capture_output=True, text=True, env=_env(None),
+    p = subprocess.run([*argv, "--dry-run"], capture_output=True, text=True, env=worker_env(None),
                        cwd=ROOT, timeout=300)
     assert p.returncode == 0 and "hla_sp.launch.torchrun" in p.stdout, p.stderr
     assert "memory per rank" in p.stdout and "TFLOP per step" in p.stdout
@@ -186,7 +186,7 @@ def test_megatron_quick_start_passes_the_entry_points_guards() -> None:
 
 def test_help_lists_every_trainer_flag() -> None:
     p = subprocess.run([HLA_SP, "train", "--help"], capture_output=True, text=True,
-                       env=_env(None), timeout=120)
+                       env=worker_env(None), timeout=120)
     assert p.returncode == 0
     for dest, flag in flag_names().items():
         assert flag in p.stdout, (dest, flag)
@@ -204,7 +204,7 @@ def test_missing_extra_is_one_line_naming_it(command: list[str], module: str, ex
     code = (f"import sys; sys.modules[{module!r}] = None; "
             f"from hla_sp.launch.cli import main; sys.exit(main({command!r}))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       cwd=ROOT, env=_env(None), timeout=120)
+                       cwd=ROOT, env=worker_env(None), timeout=120)
     assert p.returncode == 2, p.stdout + p.stderr
     assert p.stderr.count("\n") == 1, p.stderr
     assert f'pip install "hla-sp[{extra}]"' in p.stderr
@@ -217,7 +217,7 @@ def test_parallel_md_scripts_run_as_written(name: str, nproc: int, tmp_path: Pat
     (tmp_path / name).write_text(script)
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         "--nproc-per-node", str(nproc), name], capture_output=True, text=True,
-                       cwd=tmp_path, env=_env(None), timeout=600)
+                       cwd=tmp_path, env=worker_env(None), timeout=600)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     assert p.stdout.count("rank" if name == "sp_demo.py" else "loss") == nproc
 
@@ -244,7 +244,7 @@ def test_benchmarks_default_to_runs_not_the_committed_results() -> None:
     assert bench_sp_common.results_dir(["--out", str(committed)]) == committed
     for script in ("bench_long_context.py", "bench_gpu.py"):
         p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--help"],
-                           capture_output=True, text=True, env=_env(None), timeout=120)
+                           capture_output=True, text=True, env=worker_env(None), timeout=120)
         assert p.returncode == 0 and "benchmarks/results/" not in p.stdout.split("--out")[1][:80]
 
 

@@ -23,7 +23,7 @@ import pytest
 import torch.distributed as dist
 from hla_sp.launch import errors, faults, torchrun
 from hla_sp.launch.cli import main as cli_main
-from hla_sp.launch.local import _env
+from hla_sp.launch.local import worker_env
 
 HLA_SP = os.path.join(os.path.dirname(sys.executable), "hla-sp")
 TINY = ["--nproc-per-node", "2", "--context-parallel-size", "2", "--seq-length", "64",
@@ -33,7 +33,7 @@ TINY = ["--nproc-per-node", "2", "--context-parallel-size", "2", "--seq-length",
 def _hla_sp(argv: list[str], cwd: Path, env: dict[str, str] | None = None
             ) -> subprocess.CompletedProcess[str]:
     return subprocess.run([HLA_SP, *argv], cwd=cwd, capture_output=True, text=True,
-                          env=_env(env), timeout=300)
+                          env=worker_env(env), timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -2,14 +2,64 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import time
+import uuid
 from pathlib import Path
 
-from hla_sp.launch.local import run_local, run_nodes
+from hla_sp.launch.distributed import free_port
+from hla_sp.launch.local import LocalRun, read_jsonl, run_local, torchrun_argv, worker_env
 
 TINY = [
     "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
     "--seq-length", "64", "--train-iters", "3", "--context-parallel-size", "4", "--seed", "11",
 ]  # fmt: skip
+
+
+def run_nodes(
+    flags: list[str],
+    nnodes: int,
+    nproc_per_node: int,
+    jsonl: str,
+    *,
+    timeout: float = 600,
+    env: dict[str, str] | None = None,
+) -> list[LocalRun]:
+    """NNODES torchrun processes meeting at a c10d rendezvous on 127.0.0.1:<free port>.
+
+    Every node gets the same flags; rank 0 (on whichever node the rendezvous puts it)
+    writes the JSONL, which is attached to the first returned run.
+    """
+    if os.path.exists(jsonl):
+        os.remove(jsonl)
+    endpoint = f"127.0.0.1:{free_port()}"
+    rdzv = ["--nnodes", str(nnodes), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", endpoint, "--rdzv-id", uuid.uuid4().hex[:12]]  # fmt: skip
+    t0 = time.perf_counter()
+    procs = [
+        subprocess.Popen(
+            torchrun_argv(nproc_per_node, [*flags, "--log-jsonl", jsonl], rdzv),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=worker_env(env),
+        )
+        for _ in range(nnodes)
+    ]
+    runs = []
+    try:
+        for p in procs:
+            left = max(1.0, timeout - (time.perf_counter() - t0))
+            out, _ = p.communicate(timeout=left)
+            runs.append(LocalRun(p.returncode, out, time.perf_counter() - t0))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    runs[0].records = read_jsonl(jsonl)
+    return runs
 
 
 def test_two_nodes_with_cp_across_them_equal_one_node(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from hla_sp.launch import checkpoint
 from hla_sp.launch.checks import validate
 from hla_sp.launch.config import ConfigError, parse_args
-from hla_sp.launch.local import _env, read_jsonl, torchrun_argv
+from hla_sp.launch.local import read_jsonl, torchrun_argv, worker_env
 from hla_sp.launch.precision import LossScaler
 from hla_sp.launch.train import run
 
@@ -26,7 +26,7 @@ TINY = [
 def _launch(flags: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
     """torchrun with the JSONL left in place (re-runs append to it)."""
     return subprocess.run(torchrun_argv(nproc, flags), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=600, env=_env(None))
+                          stderr=subprocess.STDOUT, text=True, timeout=600, env=worker_env(None))
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import torch
 from hla_sp.launch import cli, estimate, metrics
 from hla_sp.launch.checks import validate
 from hla_sp.launch.config import ConfigError, build_parser, flag_names, parse_args
-from hla_sp.launch.local import _env
+from hla_sp.launch.local import worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 HLA_SP = os.path.join(os.path.dirname(sys.executable), "hla-sp")
@@ -30,7 +30,7 @@ HLA_SP = os.path.join(os.path.dirname(sys.executable), "hla-sp")
 
 def test_misspelt_flag_is_one_line_naming_the_nearest() -> None:
     p = subprocess.run([HLA_SP, "train", "--dry-run", "--seq-len", "4096"], capture_output=True,
-                       text=True, env=_env(None), timeout=120)
+                       text=True, env=worker_env(None), timeout=120)
     assert p.returncode == 2
     assert p.stderr.count("\n") == 1, p.stderr  # no usage dump
     assert "--seq-len: did you mean --seq-length?" in p.stderr
@@ -299,7 +299,7 @@ def _run_until_then_signal(tmp_path: Path, extra: list[str], sig: int) -> tuple[
             "--train-iters", "100000", "--log-interval", "1", "--save", "ck",
             "--log-jsonl", "m.jsonl", *extra]
     p = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, env=_env(None))
+                         text=True, env=worker_env(None))
     lines = []
     try:
         assert p.stdout is not None
@@ -350,7 +350,7 @@ def importlib_ok(module: str) -> bool:
 
 def test_pretrain_gpt_help_works_and_lists_the_hla_flags() -> None:
     p = subprocess.run([sys.executable, "-m", "hla_sp.megatron_patch.pretrain_gpt", "--help"],
-                       capture_output=True, text=True, env=_env(None), timeout=300)
+                       capture_output=True, text=True, env=worker_env(None), timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "--attention" in p.stdout and "--hla-decay" in p.stdout
 

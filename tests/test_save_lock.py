@@ -18,7 +18,7 @@ import pytest
 from hla_sp.launch import checkpoint
 from hla_sp.launch.checkpoint import lock
 from hla_sp.launch.config import ConfigError, parse_args
-from hla_sp.launch.local import _env, torchrun_argv
+from hla_sp.launch.local import torchrun_argv, worker_env
 
 TINY = [
     "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -166,7 +166,7 @@ def test_second_run_on_a_live_runs_save_is_refused_and_the_lock_goes_with_the_ru
              "--save-interval", "1"]  # fmt: skip
     a = subprocess.Popen(torchrun_argv(1, flags), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                         env=_env({"HLA_SP_FAULT": "0:3:hang"}))  # fmt: skip
+                         env=worker_env({"HLA_SP_FAULT": "0:3:hang"}))  # fmt: skip
     try:
         deadline = time.monotonic() + 240
         while checkpoint.complete_iterations(str(save)) != [1, 2]:
@@ -174,7 +174,7 @@ def test_second_run_on_a_live_runs_save_is_refused_and_the_lock_goes_with_the_ru
             time.sleep(0.5)
         holder = json.loads((save / checkpoint.LOCK).read_text())
         b = subprocess.run(torchrun_argv(1, flags), stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, timeout=240, env=_env(None))
+                           stderr=subprocess.STDOUT, text=True, timeout=240, env=worker_env(None))
         assert b.returncode != 0
         lines = [x for x in b.stdout.splitlines() if "in use by another run" in x]
         assert len(lines) == 1, b.stdout[-3000:]
