@@ -343,8 +343,13 @@ def config_from_flags(ns: dict[str, Any]) -> TrainConfig:
     kw = {name: _section(cls, {f.name: ns[f.name] for f in dataclasses.fields(cls)  # type: ignore[arg-type]
                                if f.name in ns}, name)
           for name, cls in SECTIONS.items()}
-    hla = {f.name: ns["hla_" + f.name] for f in HLAConfig.flag_fields() if "hla_" + f.name in ns}
-    return TrainConfig(**kw, hla=_section(HLAConfig, hla, "hla"))
+    attention = kw["model"].attention
+    operator = attention if attention in hla_operator_names() else HLAConfig.operator
+    try:
+        hla = HLAConfig.from_flags(argparse.Namespace(**ns), operator=operator)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"config section 'hla': {e}") from None
+    return TrainConfig(**kw, hla=hla)
 
 
 def parse_args(

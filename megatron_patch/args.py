@@ -13,7 +13,7 @@ import importlib
 from collections.abc import Sequence
 from typing import Any
 
-from hla_sp.config import HLAConfig, hla_operator_names
+from hla_sp.config import HLAConfig, hla_operator_names, operator_facts
 
 
 def attention_choices() -> tuple[str, ...]:
@@ -105,7 +105,8 @@ def check_hla_args(args: Any) -> None:
     Raises:
         ValueError: ``--attention-backend local`` with HLA (newer GPT builders overwrite
             the core-attention slot with DotProductAttention); ``--spec`` with HLA (the
-            entry point sets the layer spec itself); hla2-only options with ahla/hla3.
+            entry point sets the layer spec itself); an option only other operators take
+            (hla2's --hla-normalize, --hla-ridge) with ahla/hla3.
     """
     if not hla_enabled(args):
         return
@@ -123,6 +124,12 @@ def check_hla_args(args: Any) -> None:
             f"--spec {' '.join(spec)} with --attention {args.attention}: the entry point "
             "builds the HLA layer spec itself; drop --spec (or use --attention softmax)."
         )
-    if args.attention != "hla2" and (args.hla_normalize or args.hla_ridge):
-        raise ValueError(f"--hla-normalize/--hla-ridge: hla2 only, got --attention "
-                         f"{args.attention}")
+    # the options only some operators take, as the operators' facts say (hla2's
+    # normalize and ridge): a flag of one the chosen operator does not take is refused
+    facts, defaults = operator_facts(), HLAConfig()
+    for f in HLAConfig.flag_fields():
+        takers = [n for n, fact in facts.items() if f.name in fact.options]
+        value = getattr(args, "hla_" + f.name, getattr(defaults, f.name))
+        if takers and args.attention not in takers and value != getattr(defaults, f.name):
+            raise ValueError(f"--hla-{f.name.replace('_', '-')}: {'/'.join(takers)} only, got "
+                             f"--attention {args.attention}")

@@ -3,6 +3,7 @@ sections; each section checks itself; configs saved flat by earlier versions sti
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -107,3 +108,38 @@ def test_replace_takes_flat_names_and_keeps_hla_in_step() -> None:
     assert new.replace(attention="hla3").hla.operator == "hla3"
     with pytest.raises(ConfigError, match="unknown config field 'seq_len'"):
         cfg.replace(seq_len=1)
+
+
+def test_hla_options_of_another_operator_are_one_line_at_parse() -> None:
+    with pytest.raises(ConfigError, match="--hla-normalize: hla2 only, got --attention ahla"):
+        parse_args(["--attention", "ahla", "--hla-normalize"], raise_errors=True)
+
+
+def _rewrite_config(ckpt_dir: Path, config: dict) -> None:
+    """Replace a checkpoint's config.json, recording its digest in the manifest (or the
+    manifest check would refuse the edited file first)."""
+    path = ckpt_dir / "config.json"
+    path.write_text(json.dumps(config))
+    raw = path.read_bytes()
+    man = json.loads((ckpt_dir / "manifest.json").read_text())
+    man["files"]["config.json"] = {"size": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+    (ckpt_dir / "manifest.json").write_text(json.dumps(man))
+
+
+def test_a_checkpoint_saved_flat_resumes_and_generates(tmp_path: Path) -> None:
+    pytest.importorskip("megatron.core")
+    from hla_sp.launch import checkpoint, generate
+    from hla_sp.launch.train import run
+
+    tiny = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "32", "--seed", "5", "--lr-decay-iters", "4"]
+    save = str(tmp_path / "c")
+    run(parse_args([*tiny, "--train-iters", "2", "--save", save]), exit_on_error=False)
+    d = Path(checkpoint.iter_dir(save, 2))
+    cfg = TrainConfig.from_dict(json.loads((d / "config.json").read_text()))
+    _rewrite_config(d, cfg.flat())  # as an earlier version wrote it: flat keys
+    assert not isinstance(json.loads((d / "config.json").read_text())["data"], dict)
+    loaded, it = generate.load_config(save)
+    assert (loaded, it) == (cfg, 2)
+    recs = run(parse_args([*tiny, "--train-iters", "3", "--load", save]), exit_on_error=False)
+    assert [r["iteration"] for r in recs] == [3]
