@@ -21,14 +21,8 @@ an ``hla`` table by their argparse names), which :func:`flat_config` also gives.
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
-import inspect
-import itertools
 import os
-import textwrap
-import types
-import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +33,9 @@ from hla_sp.launch.errors import ConfigError
 from hla_sp.launch.flags import (
     OneLineParser,
     RaisingParser,
+    add_dataclass_flags,
     expand_config,
+    field_docs,
     import_user_modules,
 )
 from hla_sp.launch.sections import (
@@ -229,33 +225,6 @@ def flat_config(d: dict[str, Any]) -> dict[str, Any]:
     return {**out, "hla": hla}
 
 
-def field_docs(cls: type) -> dict[str, str]:
-    """Docstrings written under each dataclass field (the torchtitan convention)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, nxt in itertools.pairwise(body):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-            and isinstance(nxt.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
-
-
-def _base_type(tp: Any) -> tuple[type, bool]:
-    """(element type, is_list) of an annotation like ``int | None`` or ``list[str] | None``."""
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1:
-        tp = args[0]
-    if typing.get_origin(tp) is list:
-        return typing.get_args(tp)[0], True
-    return tp, False
-
-
 # Megatron spells a few flags half with underscores; both spellings are accepted.
 _MEGATRON_SPELLINGS = {
     "override_opt_param_scheduler": ("--override-opt_param-scheduler",),
@@ -273,37 +242,6 @@ def add_hla_flags(parser: argparse.ArgumentParser) -> None:
     add_hybrid_args(parser)  # --hla-layer-pattern: HLA in some layers, softmax in the rest
     # The trainer exists to train HLA; Megatron's own entry point keeps softmax as default.
     parser.set_defaults(attention=ModelConfig.attention)
-
-
-def _add_section(parser: argparse.ArgumentParser, name: str, cls: type[Section]) -> list[str]:
-    """One argument group of ``cls``'s flags; returns their destinations."""
-    group = parser.add_argument_group(name, (cls.__doc__ or "").split("\n")[0])
-    docs, hints = field_docs(cls), typing.get_type_hints(cls)
-    dests = []
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if f.metadata.get("hla_flag"):
-            dests.append(f.name)  # defined by add_hla_args, in its own group
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        tp, is_list = _base_type(hints[f.name])
-        help_text = docs.get(f.name, "")
-        dests.append(f.name)
-        if tp is bool:
-            # a flag on by default also takes --no-FLAG (--no-check-for-nan-in-loss-and-grad)
-            group.add_argument(flag, *_MEGATRON_SPELLINGS.get(f.name, ()),
-                               action=argparse.BooleanOptionalAction if f.default is True
-                               else "store_true", default=f.default, help=help_text)
-            continue
-        default = f.default
-        kw: dict[str, Any] = {"type": tp, "default": default, "help": help_text}
-        if is_list:
-            kw["nargs"] = "+"
-        if f.name in cls.CHOICES:
-            kw["choices"] = list(cls.CHOICES[f.name])
-        if default is not None and not is_list:
-            kw["help"] = f"{help_text} (default: {default})"
-        group.add_argument(flag, **kw)
-    return dests
 
 
 def build_parser(
@@ -325,7 +263,8 @@ def build_parser(
              "files merge in order, the later winning; flags on the command line win over "
              "all of them.",
     )
-    sections = {name: _add_section(parser, name, cls) for name, cls in SECTIONS.items()}
+    sections = {name: add_dataclass_flags(parser, name, cls, _MEGATRON_SPELLINGS)
+                for name, cls in SECTIONS.items()}
     add_hla_flags(parser)
     sections["hla"] = ["hla_" + f.name for f in HLAConfig.flag_fields()]
     parser.sections = sections  # type: ignore[attr-defined]

@@ -1,18 +1,25 @@
 """Flag parsing shared by the launch commands: parsers whose errors are one line naming
-the nearest flag, TOML run files (``--config``) turned into flags, and the user's
-modules (``--custom-import``) imported before any parser is built."""
+the nearest flag, flags generated from a dataclass's fields and docstrings, TOML run
+files (``--config``) turned into flags, and the user's modules (``--custom-import``)
+imported before any parser is built."""
 
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
+import inspect
+import itertools
+import textwrap
+import types
 import typing
 from collections.abc import Callable
 from typing import Any
 
 from hla_sp.launch.errors import ConfigError
 
-__all__ = ["OneLineParser", "RaisingParser", "expand_config", "import_user_modules",
-           "is_number", "nearest_flag", "one_line_error"]
+__all__ = ["OneLineParser", "RaisingParser", "add_dataclass_flags", "expand_config",
+           "field_docs", "import_user_modules", "is_number", "nearest_flag", "one_line_error"]
 
 
 def nearest_flag(word: str, flags: typing.Iterable[str]) -> str | None:
@@ -56,6 +63,70 @@ class RaisingParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> typing.NoReturn:
         raise ConfigError(one_line_error(self, message))
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Docstrings written under each dataclass field (the torchtitan convention)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _base_type(tp: Any) -> tuple[type, bool]:
+    """(element type, is_list) of an annotation like ``int | None`` or ``list[str] | None``."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1:
+        tp = args[0]
+    if typing.get_origin(tp) is list:
+        return typing.get_args(tp)[0], True
+    return tp, False
+
+
+def add_dataclass_flags(parser: argparse.ArgumentParser, name: str, cls: Any,
+                        aliases: dict[str, tuple[str, ...]] | None = None) -> list[str]:
+    """One argument group ``name`` of flags generated from the dataclass ``cls``: a flag
+    ``--field-name`` per field, its help the field's docstring, its choices
+    ``cls.CHOICES``' (if any), ``aliases`` other spellings by field; a field whose
+    metadata says ``hla_flag`` is left to the parser that defines it. Returns the
+    destinations, every field's."""
+    group = parser.add_argument_group(name, " ".join((cls.__doc__ or "").split()))
+    docs, hints = field_docs(cls), typing.get_type_hints(cls)
+    dests = []
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.metadata.get("hla_flag"):
+            dests.append(f.name)  # defined by add_hla_args, in its own group
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        tp, is_list = _base_type(hints[f.name])
+        help_text = docs.get(f.name, "")
+        dests.append(f.name)
+        if tp is bool:
+            # a flag on by default also takes --no-FLAG (--no-check-for-nan-in-loss-and-grad)
+            group.add_argument(flag, *(aliases or {}).get(f.name, ()),
+                               action=argparse.BooleanOptionalAction if f.default is True
+                               else "store_true", default=f.default, help=help_text)
+            continue
+        default = f.default
+        kw: dict[str, Any] = {"type": tp, "default": default, "help": help_text}
+        if is_list:
+            kw["nargs"] = "+"
+        choices = getattr(cls, "CHOICES", {})
+        if f.name in choices:
+            kw["choices"] = list(choices[f.name])
+        if default is not None and not is_list:
+            kw["help"] = f"{help_text} (default: {default})"
+        group.add_argument(flag, **kw)
+    return dests
 
 
 def _toml_values(path: str, parser: argparse.ArgumentParser) -> dict[str, tuple[str, Any]]:
