@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
 from typing import Any
 
 
@@ -46,13 +45,6 @@ def add_bypass_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--use-kitchen-attention", action="store_true")
     parser.add_argument("--softmax-type", default="vanilla")
     return parser
-
-
-def prescan_bypasses(argv: Sequence[str]) -> argparse.Namespace:
-    """Parse only the bypass flags out of a Megatron command line."""
-    p = add_bypass_flags(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
-    ns, _ = p.parse_known_args(list(argv))
-    return ns
 
 
 def refuse_bypasses(args: Any, route: str) -> None:
