@@ -85,8 +85,9 @@ def _train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
 
     summaries = {}
     for point in config["points"]:
-        records = run(TrainConfig.from_dict(point), exit_on_error=False)
-        summaries[str(point["seq_length"])] = summarize(records)
+        cfg = TrainConfig.from_dict(point)
+        records = run(cfg, exit_on_error=False)
+        summaries[str(cfg.model.seq_length)] = summarize(records)
     ray.train.report({"points": summaries})  # a barrier over the workers
     return summaries
 
