@@ -4,6 +4,7 @@
     hla-sp sweep CONFIG [--output-dir DIR]
     hla-sp make-dataset --input FILES --output-prefix PREFIX
     hla-sp generate --load DIR --prompt TEXT [--max-new-tokens N --temperature T ...]
+    hla-sp export --load DIR --output HF_DIR [--dtype fp32|bf16 --force]
 
 ``train`` checks the trainer flags against the world it is about to start
 (nproc-per-node x nnodes), the data and the checkpoints in --save and --load (the
@@ -12,6 +13,7 @@ preflight), says "nothing to do" for a finished run, then replaces itself with t
 running ``-m hla_sp.launch.train``. Everything it does not know goes to the trainer.
 Tracebacks: ``--debug`` or ``HLA_SP_DEBUG=1``.
 ``generate`` samples from a checkpoint in this process (:mod:`hla_sp.launch.generate`).
+``export`` writes a checkpoint as a Hugging Face model directory (:mod:`hla_sp.launch.export`).
 """
 
 from __future__ import annotations
@@ -200,7 +202,7 @@ def _train(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    usage = ("usage: hla-sp {train,sweep,make-dataset,generate} ... "
+    usage = ("usage: hla-sp {train,sweep,make-dataset,generate,export} ... "
              "(hla-sp COMMAND --help for each)")
     if not argv or argv[0] in ("-h", "--help"):
         print(usage + "\n\n" + (__doc__ or ""))
@@ -226,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
         from hla_sp.launch.generate import main as generate_main
 
         return generate_main(rest)
+    if cmd == "export":
+        from hla_sp.launch.export import main as export_main  # requires megatron itself
+
+        return export_main(rest)
     print(f"hla-sp: unknown command {cmd!r}\n{usage}", file=sys.stderr)
     return 2
 
