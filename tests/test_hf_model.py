@@ -161,6 +161,22 @@ def test_prepare_inputs_feeds_only_new_tokens():
     assert step["input_ids"].tolist() == ids[:, 8:].tolist() and step["past_key_values"] is cache
 
 
+@pytest.mark.parametrize("beams", [1, 3], ids=["greedy", "beams"])
+def test_generate_with_the_cache_equals_without(beams):
+    """A batch of two, greedy and beam search (the cache's rows reordered per step):
+    the same tokens as generate() recomputing the whole sequence at every step."""
+    torch.manual_seed(0)
+    hf = HLASPForCausalLM(HLASPConfig(vocab_size=100, hidden_size=32,
+                                      num_key_value_heads=2)).double().eval()
+    x = torch.randint(0, 99, (2, 6), generator=torch.Generator().manual_seed(4))
+    kw = dict(max_new_tokens=5, do_sample=False, num_beams=beams, eos_token_id=None,
+              attention_mask=torch.ones_like(x))
+    with torch.no_grad():
+        cached = hf.generate(x, use_cache=True, **kw)
+        full = hf.generate(x, use_cache=False, **kw)
+    assert cached.shape == (2, 11) and torch.equal(cached, full)
+
+
 def test_save_pretrained_round_trips(single, tmp_path):
     cfg = _cfg("rope", 2, "--hla-short-conv", "3")
     hf = _hf(_gpt(cfg), cfg)
