@@ -24,7 +24,7 @@ pytest.importorskip("megatron.core")  # the reference is the trainer's GPTModel
 from hla_sp.launch import generate as gen
 from hla_sp.launch.config import parse_args
 from hla_sp.launch.hf_convert import ConvertError, hf_config_from_train, hf_state_dict
-from hla_sp.launch.model import build_model
+from hla_sp.launch.model import build_model, model_dtype
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hla_sp.hf
@@ -56,7 +56,7 @@ def _gpt(cfg):
     """The trainer's model, with the first-order mixes, norm gains and data-decay
     weights made non-trivial (they start at 0/1, where they would hide a mistake)."""
     torch.manual_seed(0)
-    model = build_model(gen.decode_config(cfg), VOCAB).eval()
+    model = build_model(gen.decode_config(cfg), VOCAB).to(dtype=model_dtype(cfg)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("key_mix", "value_mix", "norm_weight", "decay_weight")):
@@ -66,19 +66,21 @@ def _gpt(cfg):
 
 def _hf(gpt, cfg) -> HLASPForCausalLM:
     config = hf_config_from_train(cfg, VOCAB, EOD)
-    model = HLASPForCausalLM(config).eval()
+    model = HLASPForCausalLM(config).to(config.dtype).eval()
     missing, unexpected = model.load_state_dict(hf_state_dict(gpt, config), strict=False)
     assert missing == ["lm_head.weight"] and not unexpected  # lm_head is the embedding
     assert model.lm_head.weight is model.model.embed_tokens.weight
     return model
 
 
-POSITIONS = [("learned_absolute", 2), ("rope", 2), ("none", 2), ("learned_absolute", 4)]
+POSITIONS = [("learned_absolute", 2, ()), ("rope", 2, ()), ("none", 2, ()),
+             ("learned_absolute", 4, ()), ("rope", 2, ("--bf16",))]
 
 
-@pytest.mark.parametrize("position,groups", POSITIONS, ids=[f"{p}-kv{g}" for p, g in POSITIONS])
-def test_logits_equal_the_trainers_model(single, position, groups):
-    cfg = _cfg(position, groups)
+@pytest.mark.parametrize("position,groups,flags", POSITIONS,
+                         ids=[f"{p}-kv{g}{''.join(f)}" for p, g, f in POSITIONS])
+def test_logits_equal_the_trainers_model(single, position, groups, flags):
+    cfg = _cfg(position, groups, *flags)
     gpt = _gpt(cfg)
     hf = _hf(gpt, cfg)
     x = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
@@ -88,8 +90,12 @@ def test_logits_equal_the_trainers_model(single, position, groups):
     assert want.shape[-1] == 384 and got.shape[-1] == VOCAB  # padded rows dropped
     assert bool((want[..., VOCAB:] == float("-inf")).all())  # they take no probability
     want = want[..., :VOCAB]
+    assert got.dtype == want.dtype == model_dtype(cfg)
     scale = float(want.abs().max())
-    assert float((got - want).abs().max()) <= RTOL * scale
+    # bf16: one rounding of a logit, 2^-8 of it, should the two ever round apart
+    # (measured: they do not)
+    tol = 2.0**-8 if cfg.bf16 else RTOL
+    assert float((got.float() - want.float()).abs().max()) <= tol * scale
     if position == "rope":  # the rotation does something: the same weights without it differ
         hf.config.position_embedding_type = "none"
         try:
