@@ -335,6 +335,7 @@ class Trainer:
             extra={
                 **self.masters.state_dict(),
                 **({"loss_scaler": self.scaler.state_dict()} if self.scaler else {}),
+                "losses": {k: last[k] for k in ("loss", "val_loss") if k in (last or {})},
             },
         )
 

@@ -6,16 +6,18 @@
 the same :class:`hla_sp.nn.HLAHeads` the trainer runs.
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from hla_sp.hf.cache import HLASPCache
 from hla_sp.hf.configuration import HLASPConfig
 from hla_sp.hf.modeling import HLASPForCausalLM, HLASPModel
+from hla_sp.hf.tokenization import HLASPByteTokenizer
 
 AutoConfig.register(HLASPConfig.model_type, HLASPConfig, exist_ok=True)
 AutoModel.register(HLASPConfig, HLASPModel, exist_ok=True)
 AutoModelForCausalLM.register(HLASPConfig, HLASPForCausalLM, exist_ok=True)
 
-# --- tokenizer registration (hla_sp/hf/tokenization.py) goes here ---
+# the byte-level tokenizer of the trainer's default data (tokenizer_class in its files)
+AutoTokenizer.register(HLASPConfig, tokenizer_class=HLASPByteTokenizer, exist_ok=True)
 
-__all__ = ["HLASPCache", "HLASPConfig", "HLASPForCausalLM", "HLASPModel"]
+__all__ = ["HLASPByteTokenizer", "HLASPCache", "HLASPConfig", "HLASPForCausalLM", "HLASPModel"]
