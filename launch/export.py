@@ -74,8 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "(config.json, model.safetensors, the tokenizer, the modeling code), "
                     "loadable with AutoModelForCausalLM.from_pretrained(DIR, "
                     "trust_remote_code=True) and lm_eval --model hf.")
-    p.add_argument("--load", required=True, help="Checkpoint directory (hla-sp train --save).")
-    p.add_argument("--ckpt-step", type=int, default=None,
+    p.add_argument("--load", required=True, metavar="CKPT",
+                   help="Checkpoint directory (hla-sp train --save), of any TP/CP/DP size.")
+    p.add_argument("--ckpt-step", type=int, default=None, metavar="N",
                    help="Export this iteration instead of the latest.")
     p.add_argument("--output", required=True, metavar="DIR",
                    help="The model directory to write (new or empty; see --force).")
