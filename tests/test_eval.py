@@ -220,6 +220,33 @@ def test_passkey_prompts() -> None:
     assert len({tasks.passkey(tok, 512, 0.5, 0, 1, i).key for i in range(8)}) > 1
 
 
+def test_data_path_windows(tmp_path: Path, capsys: Any) -> None:
+    """--data-path: window i at every length starts at token i x (longest + 1) of the
+    prefixes' stream, documents joined by their EOD; too little data is one line."""
+    from hla_sp.launch.config import parse_args
+    from hla_sp.launch.errors import DatasetError
+    from hla_sp.launch.indexed_dataset import EOD, IndexedTokens
+    from hla_sp.launch.make_dataset import main as make
+
+    for name, word in (("a", "abc "), ("b", "xyz ")):
+        (tmp_path / f"{name}.txt").write_text(word * 500)
+    prefix = str(tmp_path / "d")
+    assert make(["--input", str(tmp_path / "a.txt"), str(tmp_path / "b.txt"),
+                 "--output-prefix", prefix]) == 0
+    capsys.readouterr()
+    stream = IndexedTokens([prefix]).read(0, 4002)  # two documents of 2000 bytes + EOD
+    assert stream[2000] == EOD and stream[4001] == EOD
+    cfg = parse_args(TINY)
+    w = tasks.text_windows(cfg, [prefix], 3, 512)
+    assert (w.start, w.stride) == (0, 513) and w.source == f"--data-path {prefix}"
+    for i in range(3):
+        for length in (256, 512):
+            assert (w.window(i, length) == stream[i * 513 : i * 513 + length + 1]).all()
+    with pytest.raises(DatasetError, match=r"^--samples 4 x \(longest --lengths 1024 \+ 1\) "
+                       r"= 4,100 tokens: the --data-path .* holds 4,002 past token 0; "):
+        tasks.text_windows(cfg, [prefix], 4, 1024)
+
+
 def test_key_scoring_picks_global_positions() -> None:
     """The key's labels are found by global position, whatever order a rank holds them
     in; a hit needs the argmax, the log-prob is log_softmax's."""
