@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 import time
 import warnings
@@ -179,8 +180,19 @@ def evaluate(plan: Plan, topo: Topology) -> dict[str, Any]:
     return record
 
 
+def _stop(signum: int, frame: Any) -> None:
+    """Ctrl-C or SIGTERM (torchrun passes it to every worker): one line from rank 0, no
+    traceback from each rank; the JSON keeps the lengths already measured."""
+    if os.environ.get("RANK", "0") == "0":
+        os.write(2, f"{PROG}: stopped by {signal.Signals(signum).name}; the JSON in --output "
+                    f"holds the lengths finished before it\n".encode())
+    os._exit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     """One worker: plan (the launcher's checks again), join the group, evaluate."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _stop)
     args = build_parser().parse_args(argv)
     topo = None
     try:
