@@ -50,6 +50,7 @@ def _local(tokens: np.ndarray, device: torch.device) -> dict[str, torch.Tensor]:
 
 
 def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    """``t`` summed in place over the ranks (every rank holds the whole result)."""
     if dist.get_world_size() > 1:
         dist.all_reduce(t)
     return t
