@@ -160,6 +160,7 @@ def _train(argv: list[str]) -> int:
         require("megatron", "hla-sp train")  # one line here, not a traceback per rank
         nnodes = _check_launch(launch)
         cfg = parse_args(rest, raise_errors=True, prog="hla-sp train")
+        given_vocab = cfg.vocab_size  # validate fills it from --tokenizer
         # --dry-run plans from the flags alone (a login node has no /data, no GPU)
         validate(cfg, launch.nproc_per_node * nnodes, offline=launch.dry_run)
         done = None
@@ -184,7 +185,8 @@ def _train(argv: list[str]) -> int:
     if launch.dry_run:
         from hla_sp.launch.estimate import summary
 
-        source = "--vocab-size" if cfg.vocab_size else "the byte-level default"
+        source = ("--vocab-size" if given_vocab else f"--tokenizer {cfg.tokenizer}"
+                  if cfg.tokenizer else "the byte-level default")
         print(f"plan: vocabulary {vocab:,} ({source}), {device[1]} per rank")
         for line in summary(cfg, launch.nproc_per_node * nnodes, vocab=vocab, device=device):
             print(line)
