@@ -10,7 +10,9 @@ output directory's rules and the one-line errors.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import re
@@ -87,12 +89,19 @@ def exported(runs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) ->
     d = tmp_path_factory.mktemp("hf")
     out = {}
     for name, ckpt in runs.items():
-        p = _export_as_documented(ckpt, d / name)
-        assert p.returncode == 0, p.stderr
-        assert p.stderr == "" and re.fullmatch(
+        if name == "cp2":  # as docs/eval.md writes the command
+            p = _export_as_documented(ckpt, d / name)
+            assert p.returncode == 0, p.stderr
+            stdout, stderr = p.stdout, p.stderr
+        else:  # in this process: the same command without a second interpreter's imports
+            o, e = io.StringIO(), io.StringIO()
+            with contextlib.redirect_stdout(o), contextlib.redirect_stderr(e):
+                assert export.main(["--load", str(ckpt), "--output", str(d / name)]) == 0
+            stdout, stderr = o.getvalue(), e.getvalue()
+        assert stderr == "" and re.fullmatch(
             rf"hla-sp export: {re.escape(str(d / name))}: hla2 GPT, 2 layers x 32 hidden, "
             r"vocabulary 257 \(bytes\), fp32; logits checked: max difference \S+ of the "
-            r"largest\n", p.stdout), p.stdout
+            r"largest\n", stdout), stdout
         out[name] = d / name
     return out
 
@@ -111,37 +120,44 @@ def _checkpoint_logits(ckpt: Path, ids: torch.Tensor) -> torch.Tensor:
             return model(ids, torch.arange(ids.shape[1])[None], None)[0, :, :257].float()
 
 
-# A fresh interpreter: nothing of hla-sp imported, only the directory's auto_map.
+# A fresh interpreter: nothing of hla-sp imported, only each directory's auto_map.
 _REMOTE = """
 import sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)
-tok = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=True)
+ids, out = torch.load(sys.argv[1]), {}
+for d in sys.argv[3:]:
+    model = AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True)
+    tok = AutoTokenizer.from_pretrained(d, trust_remote_code=True)
+    with torch.no_grad():
+        logits = model(ids).logits[0]
+    enc = tok("h\u00e9 <|endoftext|>").input_ids
+    out[d] = {"logits": logits, "dtype": str(model.dtype), "ids": enc, "text": tok.decode(enc),
+              "eos": tok.eos_token_id, "cls": type(model).__name__}
 assert "hla_sp.launch" not in sys.modules and "megatron" not in sys.modules, "imported"
-ids = torch.load(sys.argv[2])
-with torch.no_grad():
-    logits = model(ids).logits[0]
-text = "h\\u00e9 <|endoftext|>"
-enc = tok(text).input_ids
-torch.save({"logits": logits, "dtype": str(model.dtype), "ids": enc,
-            "text": tok.decode(enc), "eos": tok.eos_token_id, "cls": type(model).__name__},
-           sys.argv[3])
+torch.save(out, sys.argv[2])
 """
+
+
+@pytest.fixture(scope="module")
+def remote(exported: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """What a fresh process loads from each export with trust_remote_code=True."""
+    d = tmp_path_factory.mktemp("remote")
+    torch.save(_probe(), d / "ids.pt")
+    p = subprocess.run([sys.executable, "-c", _REMOTE, str(d / "ids.pt"), str(d / "got.pt"),
+                        *(str(exported[n]) for n in RUNS)],
+                       capture_output=True, text=True, env=_env({"HF_HUB_OFFLINE": "1"}),
+                       cwd=d, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = torch.load(d / "got.pt")
+    return {n: got[str(exported[n])] for n in RUNS}
 
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_export_equals_the_checkpoint_with_trust_remote_code(
-    runs: dict[str, Path], exported: dict[str, Path], tmp_path: Path, name: str
+    runs: dict[str, Path], remote: dict, name: str
 ) -> None:
-    ids = _probe()
-    torch.save(ids, tmp_path / "ids.pt")
-    p = subprocess.run([sys.executable, "-c", _REMOTE, str(exported[name]),
-                        str(tmp_path / "ids.pt"), str(tmp_path / "got.pt")],
-                       capture_output=True, text=True, env=_env({"HF_HUB_OFFLINE": "1"}),
-                       cwd=tmp_path, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    got = torch.load(tmp_path / "got.pt")
-    want = _checkpoint_logits(runs[name], ids)
+    got = remote[name]
+    want = _checkpoint_logits(runs[name], _probe())
     assert got["cls"] == "HLASPForCausalLM" and got["dtype"] == "torch.float32"
     err = float((got["logits"] - want).abs().max())
     assert err <= REL * float(want.abs().max()), (name, err)
@@ -277,11 +293,70 @@ def test_errors_are_one_line(runs: dict[str, Path], tmp_path: Path, case: str, m
         assert os.listdir(out) == ["notes.txt"]
 
 
-def test_console_script_error_and_help() -> None:
-    p = subprocess.run([HLA_SP, "export", "--output", "x"], capture_output=True, text=True,
-                       env=_env(None), timeout=300)
-    assert p.returncode == 2 and p.stdout == ""
-    assert p.stderr.count("\n") == 1 and p.stderr.startswith("hla-sp export: error: "), p.stderr
+def test_console_script_help() -> None:
     h = subprocess.run([HLA_SP, "export", "--help"], capture_output=True, text=True,
                        env=_env(None), timeout=300)
     assert h.returncode == 0 and "--dtype" in h.stdout and "--force" in h.stdout
+
+
+# --- a run with a Hugging Face tokenizer ------------------------------------------------
+
+TEXT = ["def area(width, height):\n    return width * height\n",
+        "for name in names:\n    print(name.upper())\n",
+        "class Stack:\n    def push(self, item):\n        self.items.append(item)\n"]
+
+
+@pytest.fixture(scope="module")
+def bpe_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A byte-level BPE tokenizer trained here (``<eos>`` ends documents), data made with
+    it by make-dataset, a 3-step run on that data, and its export."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    d = tmp_path_factory.mktemp("bpe")
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(TEXT * 4, trainers.BpeTrainer(
+        vocab_size=290, special_tokens=["<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>").save_pretrained(d / "tok")
+    (d / "docs").mkdir()
+    for i, t in enumerate(TEXT):
+        (d / "docs" / f"{i}.txt").write_text(t * 30)
+    from hla_sp.launch.make_dataset import main as make_dataset
+
+    # in this process where no torchrun is needed (each new process imports for seconds)
+    assert make_dataset(["--input", str(d / "docs"), "--output-prefix", str(d / "data"),
+                         "--tokenizer", str(d / "tok")]) == 0
+    p = subprocess.run([HLA_SP, "train", "--nproc-per-node", "1", *TINY, "--data-path",
+                        str(d / "data"), "--tokenizer", str(d / "tok"), "--save", str(d / "ckpt")],
+                       capture_output=True, text=True, env=_env(None), timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert export.main(["--load", str(d / "ckpt"), "--output", str(d / "hf")]) == 0
+    return {"tok": d / "tok", "ckpt": d / "ckpt", "hf": d / "hf"}
+
+
+def test_export_with_the_runs_hf_tokenizer(bpe_run: dict[str, Path]) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = bpe_run["hf"]
+    cfg = json.loads((hf / "config.json").read_text())
+    # transformers has the tokenizer's class: no code for it, nothing in auto_map
+    assert "AutoTokenizer" not in cfg["auto_map"] and not (hf / "tokenization_hla_sp.py").exists()
+    assert (cfg["vocab_size"], cfg["eod_token_id"]) == (290, 0)
+    tok = AutoTokenizer.from_pretrained(hf, trust_remote_code=True)
+    ref = AutoTokenizer.from_pretrained(bpe_run["tok"])
+    text = "def push(self, width):\n    return name"
+    assert tok(text).input_ids == ref(text).input_ids and tok.eos_token_id == 0
+    model = AutoModelForCausalLM.from_pretrained(hf, trust_remote_code=True)
+    ids = torch.tensor([tok(text).input_ids])
+    with torch.no_grad():
+        got = model(ids).logits[0]
+    warnings.simplefilter("ignore")
+    with gen.single_process():
+        ckpt_model, _ = gen.load_model(str(bpe_run["ckpt"]))
+        with torch.no_grad():
+            want = ckpt_model(ids, torch.arange(ids.shape[1])[None], None)[0, :, :290]
+    assert got.shape == want.shape
+    assert float((got - want).abs().max()) <= REL * float(want.abs().max())
