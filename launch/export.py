@@ -263,9 +263,14 @@ def main(argv: list[str] | None = None) -> int:
     output = args.output.rstrip(os.sep) or args.output
     tmp = f"{output}.tmp-{os.getpid()}"
     try:
-        from hla_sp.launch.extras import require
+        from hla_sp.launch.extras import installed, require
 
         require("megatron", "hla-sp export")  # the checkpoint is Megatron's model
+        missing = [m for m in ("transformers", "safetensors") if not installed(m)]
+        if missing:
+            raise ExportError(f"hla-sp export needs {' and '.join(missing)}, which "
+                              f"{'is' if len(missing) == 1 else 'are'} not installed: "
+                              f'pip install "hla-sp[hf]"')
         from hla_sp.launch.generate import _quiet_megatron, single_process
         from hla_sp.megatron_patch.args import import_custom
 

@@ -293,6 +293,18 @@ def test_errors_are_one_line(runs: dict[str, Path], tmp_path: Path, case: str, m
         assert os.listdir(out) == ["notes.txt"]
 
 
+def test_missing_extra_is_one_line(runs: dict[str, Path], tmp_path: Path,
+                                   monkeypatch: pytest.MonkeyPatch,
+                                   capsys: pytest.CaptureFixture) -> None:
+    from hla_sp.launch import extras
+
+    monkeypatch.setattr(extras, "installed", lambda m: m != "transformers")
+    assert _main(["--load", str(runs["cp2"]), "--output", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err == ('hla-sp export: error: hla-sp export needs transformers, '
+                                       'which is not installed: pip install "hla-sp[hf]"\n')
+    assert os.listdir(tmp_path) == []
+
+
 def test_console_script_help() -> None:
     h = subprocess.run([HLA_SP, "export", "--help"], capture_output=True, text=True,
                        env=_env(None), timeout=300)
