@@ -305,6 +305,43 @@ def test_missing_extra_is_one_line(runs: dict[str, Path], tmp_path: Path,
     assert os.listdir(tmp_path) == []
 
 
+def test_custom_operator_exports_and_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture) -> None:
+    """A run of a user's operator (--custom-import): export imports the module the run
+    recorded, and the model loads wherever that module is imported; without it, one line."""
+    from hla_sp.launch.config import parse_args
+    from test_custom_import import USER_MODULE
+    from test_generate import _save
+    from transformers import AutoModelForCausalLM
+
+    from hla_sp.ops import operators
+
+    (tmp_path / "qqv_user_op.py").write_text(USER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        cfg = parse_args([*TINY, "--custom-import", "qqv_user_op", "--attention", "qqv"])
+        warnings.simplefilter("ignore")
+        with gen.single_process():
+            _save(tmp_path / "ckpt", cfg)
+        out = tmp_path / "hf"
+        assert _main(["--load", str(tmp_path / "ckpt"), "--output", str(out)]) == 0
+        assert "qqv GPT" in capsys.readouterr().out
+        assert json.loads((out / "config.json").read_text())["hla_operator"] == "qqv"
+        ids = _probe(24)
+        with torch.no_grad():
+            got = AutoModelForCausalLM.from_pretrained(out)(ids).logits[0]
+        want = _checkpoint_logits(tmp_path / "ckpt", ids)
+        assert float((got - want).abs().max()) <= REL * float(want.abs().max())
+    finally:
+        operators.unregister("qqv")
+        sys.modules.pop("qqv_user_op", None)
+    (tmp_path / "qqv_user_op.py").unlink()  # the module is gone: refused in one line
+    capsys.readouterr()  # (the progress bar of the load above)
+    assert _main(["--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "o2")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--custom-import qqv_user_op: cannot import it" in err, err
+
+
 def test_console_script_help() -> None:
     h = subprocess.run([HLA_SP, "export", "--help"], capture_output=True, text=True,
                        env=_env(None), timeout=300)
