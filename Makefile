@@ -2,7 +2,7 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
-EXTRAS ?= dev,triton,megatron,ray
+EXTRAS ?= dev,triton,megatron,ray,hf,eval
 
 .PHONY: setup setup-megatron test test-slow lint demo demo-ops demo-1m demo-recall sample bench bench-sp bench-recall bench-lm bench-precision gpu-aot gpu-check gpu-quality clean
 

@@ -157,7 +157,7 @@ def check_large_offsets(device: str, T: int, H: int, K: int, V: int, L: int = 20
     A 32-bit offset overflow would read or write the wrong memory there.
     """
     from hla_sp.ops.chunk import segment_summary
-    from hla_sp.ops.custom_op import chunk_linear_attention_triton, make_chunk_impl
+    from hla_sp.ops.primitive import chunk_linear_attention_triton, make_chunk_impl
 
     chunk_linear_attention = make_chunk_impl("torch")
 

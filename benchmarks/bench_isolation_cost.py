@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 import hla_sp
-from hla_sp.ops import custom_op
+from hla_sp.ops import primitive as custom_op
 from hla_sp.ops.chunk import layout, scan
 
 OPS = ("hla2", "linear_attention")

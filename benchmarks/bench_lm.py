@@ -72,9 +72,11 @@ def valid_loss(model: torch.nn.Module, w: torch.Tensor, batch: int = 32) -> floa
 
 
 def train(mixer: str, T: int, steps: int, batch: int, d: int, layers: int, heads: int,
-          lr: float, seed: int, evals: int, n_tokens: int, valid_bytes: int = VALID_BYTES
-          ) -> dict[str, Any]:
-    """Train one mixer; the validation loss along the way, at the end and at 4x length."""
+          lr: float, seed: int, evals: int, n_tokens: int, valid_bytes: int = VALID_BYTES,
+          save_dir: str | None = None) -> dict[str, Any]:
+    """Train one mixer; the validation loss along the way, at the end and at 4x length.
+    With ``save_dir`` the trained weights and the model's arguments go to
+    ``<save_dir>/<mixer>_seed<seed>.pt`` (what benchmarks/bench_context_use.py evaluates)."""
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     tr_stream, va_stream = split_tokens(n_tokens)
@@ -103,6 +105,12 @@ def train(mixer: str, T: int, steps: int, batch: int, d: int, layers: int, heads
     # Learned absolute positions have no row past T: such a model is not scored there.
     long = None if model.pos is not None else valid_loss(model, va_long, batch=8)
     nats = curve[-1]["valid_loss"]
+    if save_dir is not None:
+        os.makedirs(save_dir, exist_ok=True)
+        torch.save({"mixer": mixer, "T": T, "d": d, "layers": layers, "heads": heads,
+                    "vocab": BYTE_VOCAB, "seed": seed, "steps": steps, "valid_loss": nats,
+                    "state_dict": model.state_dict()},
+                   os.path.join(save_dir, f"{mixer}_seed{seed}.pt"))
     return {"mixer": mixer, "options": MIXERS[mixer], "T": T, "steps": steps,
             "batch": batch, "d_model": d, "layers": layers, "heads": heads, "lr": lr,
             "seed": seed, "valid_loss": nats, "valid_bpb": nats / math.log(2),
@@ -196,6 +204,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)))
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_lm")
     ap.add_argument("--name", default="lm", help="stem of the JSON and PNG files")
+    ap.add_argument("--save-models", default=None, metavar="DIR",
+                    help="keep each trained model's weights in DIR (<mixer>_seed<seed>.pt)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 4 steps, T=32, 1 seed")
     ap.add_argument("--table", action="store_true",
                     help="print the summary of <out>/<name>.json as markdown; train nothing")
@@ -221,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     done = {run_key(r) for r in results}
     jobs = [dict(mixer=m, T=T, steps=steps, batch=a.batch, d=a.d_model, layers=a.layers,
                  heads=a.heads, lr=a.lr, seed=s, evals=2 if a.quick else 10,
-                 n_tokens=n_tokens, valid_bytes=vb)
+                 n_tokens=n_tokens, valid_bytes=vb, save_dir=a.save_models)
             for s in seeds for m in mixers if (m, T, steps, s) not in done]
     a.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

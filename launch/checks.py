@@ -22,6 +22,7 @@ from hla_sp.launch.resume_checks import (
     check_skip_train,
 )
 from hla_sp.launch.sections_run import split_weights
+from hla_sp.launch.tokenizer import check_data_tokenizer, check_run_tokenizer
 
 __all__ = ["split_weights", "validate"]  # split_weights: where callers import it
 
@@ -46,10 +47,12 @@ def validate(cfg: TrainConfig, world_size: int, *, offline: bool = False) -> Non
     it starts torchrun) call it first. ``offline`` (``--dry-run``, planning a cluster
     job from a login node): the flags alone, with no data file, checkpoint or installed
     logger read, and what CUDA allows (RoPE) allowed on a machine without it.
+    ``--tokenizer`` is loaded, and fills ``cfg.model.vocab_size`` when unset (its vocabulary).
     """
     _check_world_size(world_size)
     for _, section in cfg.sections():  # what each section shows alone, in --help's order
         section.validate()
+    check_run_tokenizer(cfg)  # before the checks that read the vocabulary
     _check_parallel_layout(cfg, world_size)
     _check_heads_split(cfg)
     _check_batch(cfg, world_size)
@@ -169,6 +172,7 @@ def _check_data(cfg: TrainConfig) -> None:
                 check_indexed_dataset(prefix)
             except DatasetError as e:
                 raise ConfigError(f"--data-path {prefix}: {e}") from None
+            check_data_tokenizer(prefix, cfg)  # PREFIX.json of make-dataset, when there
     if cfg.data.data == "text":
         _check_samples(cfg)
     if cfg.data.data == "synthetic-recall":

@@ -4,6 +4,8 @@
     hla-sp sweep CONFIG [--output-dir DIR]
     hla-sp make-dataset --input FILES --output-prefix PREFIX
     hla-sp generate --load DIR --prompt TEXT [--max-new-tokens N --temperature T ...]
+    hla-sp export --load DIR --output HF_DIR [--dtype fp32|bf16 --force]
+    hla-sp eval --load DIR --task ppl-by-position|passkey --lengths 4k,64k,1M [--nproc-per-node P]
 
 ``train`` checks the trainer flags against the world it is about to start
 (nproc-per-node x nnodes), the data and the checkpoints in --save and --load (the
@@ -12,6 +14,9 @@ preflight), says "nothing to do" for a finished run, then replaces itself with t
 running ``-m hla_sp.launch.train``. Everything it does not know goes to the trainer.
 Tracebacks: ``--debug`` or ``HLA_SP_DEBUG=1``.
 ``generate`` samples from a checkpoint in this process (:mod:`hla_sp.launch.generate`).
+``export`` writes a checkpoint as a Hugging Face model directory (:mod:`hla_sp.launch.export`).
+``eval`` measures a checkpoint at long context, the sequence split over the ranks as in
+training, under the same torchrun (:mod:`hla_sp.launch.evaluate`).
 """
 
 from __future__ import annotations
@@ -32,9 +37,11 @@ from hla_sp.launch.extras import require
 from hla_sp.launch.local import MALLOC_MMAP_THRESHOLD
 
 
-def torchrun_command(launch: argparse.Namespace, trainer_argv: list[str]) -> list[str]:
+def torchrun_command(launch: argparse.Namespace, trainer_argv: list[str],
+                     module: str = "hla_sp.launch.train") -> list[str]:
     """The torchrun command line ``hla-sp train`` runs (torch.distributed.run through
-    :mod:`hla_sp.launch.torchrun`, which exits in one line on a signal)."""
+    :mod:`hla_sp.launch.torchrun`, which exits in one line on a signal); ``hla-sp eval``
+    runs its own worker ``module``."""
     cmd = [
         sys.executable,
         "-m",
@@ -57,7 +64,7 @@ def torchrun_command(launch: argparse.Namespace, trainer_argv: list[str]) -> lis
         ]  # fmt: skip
         if launch.node_rank is not None:
             cmd += ["--node-rank", str(launch.node_rank)]
-    cmd += ["--max-restarts", str(launch.max_restarts), "-m", "hla_sp.launch.train", *trainer_argv]
+    cmd += ["--max-restarts", str(launch.max_restarts), "-m", module, *trainer_argv]
     return cmd
 
 
@@ -153,6 +160,7 @@ def _train(argv: list[str]) -> int:
         require("megatron", "hla-sp train")  # one line here, not a traceback per rank
         nnodes = _check_launch(launch)
         cfg = parse_args(rest, raise_errors=True, prog="hla-sp train")
+        given_vocab = cfg.model.vocab_size  # validate fills it from --tokenizer
         # --dry-run plans from the flags alone (a login node has no /data, no GPU)
         validate(cfg, launch.nproc_per_node * nnodes, offline=launch.dry_run)
         done = None
@@ -177,7 +185,8 @@ def _train(argv: list[str]) -> int:
     if launch.dry_run:
         from hla_sp.launch.estimate import summary
 
-        source = "--vocab-size" if cfg.model.vocab_size else "the byte-level default"
+        source = ("--vocab-size" if given_vocab else f"--tokenizer {cfg.model.tokenizer}"
+                  if cfg.model.tokenizer else "the byte-level default")
         print(f"plan: vocabulary {vocab:,} ({source}), {device[1]} per rank")
         for line in summary(cfg, launch.nproc_per_node * nnodes, vocab=vocab, device=device):
             print(line)
@@ -200,7 +209,7 @@ def _train(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    usage = ("usage: hla-sp {train,sweep,make-dataset,generate} ... "
+    usage = ("usage: hla-sp {train,sweep,make-dataset,generate,export,eval} ... "
              "(hla-sp COMMAND --help for each)")
     if not argv or argv[0] in ("-h", "--help"):
         print(usage + "\n\n" + (__doc__ or ""))
@@ -226,6 +235,14 @@ def main(argv: list[str] | None = None) -> int:
         from hla_sp.launch.generate import main as generate_main
 
         return generate_main(rest)
+    if cmd == "export":
+        from hla_sp.launch.export import main as export_main  # requires megatron itself
+
+        return export_main(rest)
+    if cmd == "eval":
+        from hla_sp.launch.evaluate import main as eval_main
+
+        return eval_main(rest, torchrun_command)  # the workers start as train's do
     print(f"hla-sp: unknown command {cmd!r}\n{usage}", file=sys.stderr)
     return 2
 

@@ -211,7 +211,9 @@ class CheckpointManager:
             keep_last=ck.keep_last,
             finite=finite,
             loaded=self.resumed_from if same else None,
-            extra=parts.extra_state(),
+            # the losses: generate's header names the checkpoint's
+            extra={**parts.extra_state(), "losses": {
+                k: last[k] for k in ("loss", "val_loss") if k in (last or {})}},
         )
 
 

@@ -6,9 +6,8 @@
 The model is rebuilt from the checkpoint's ``config.json`` (one process, no context or
 tensor parallelism) and its weights are read from the checkpoint's pieces of whole
 tensors, so a checkpoint of any TP, CP or DP size loads (one of the first format, with
-one ``model_optim_tpNN.pt`` per TP rank, only when TP was 1). Tokens are bytes (ids
-0..255; 256 ends a document), as the trainer's built-in data and ``make-dataset`` write
-them.
+one ``model_optim_tpNN.pt`` per TP rank, only when TP was 1). Text goes through the run's
+``--tokenizer`` (bytes by default); a line on stderr first names the iteration and loss.
 
 Every HLA layer keeps its recurrent state (:class:`RecurrentState` in its core
 attention) across the model's forwards: the prompt is one forward (the chunk-parallel
@@ -20,7 +19,6 @@ one entry per token (benchmarks/bench_generate.py).
 from __future__ import annotations
 
 import argparse
-import codecs
 import contextlib
 import dataclasses
 import os
@@ -31,6 +29,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 from hla_sp.launch.config import TrainConfig
+from hla_sp.launch.tokenizer import RunTokenizer, load_run_tokenizer, load_tokenizer
 
 BYTE_VOCAB = 257  # ids 0..255 are bytes, EOD ends a document (hla_sp.launch.data)
 EOD = 256
@@ -58,15 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--custom-import", action="append", default=[], metavar="MODULE",
                    help="Import this module first (one that registers an operator); the "
                         "modules the training run named are imported anyway.")
-    p.add_argument("--prompt", default="", help="Text to continue (UTF-8 bytes); empty: "
-                   "start a document.")
-    p.add_argument("--max-new-tokens", type=int, default=200, help="Tokens (bytes) to sample.")
+    p.add_argument("--prompt", default="", help="Text to continue; empty: start a document.")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="Tokens to sample.")
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy (argmax).")
     p.add_argument("--top-k", type=int, default=0, help="Sample among the k likeliest (0: all).")
     p.add_argument("--seed", type=int, default=0, help="Seed of the sampling.")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N.")
     p.add_argument("--stop-at-eod", action=argparse.BooleanOptionalAction, default=True,
-                   help="Stop when the model ends the document (token 256).")
+                   help="Stop at the tokenizer's end of document (else: a new line).")
     return p
 
 
@@ -155,10 +153,6 @@ def check_decodable(cfg: TrainConfig) -> None:
         raise GenerateError("checkpoint: position_embedding_type 'rope' is not decoded (a "
                             "one-token forward would rotate at position 0); expected "
                             "learned_absolute or none")
-    vocab = cfg.model.vocab_size or BYTE_VOCAB
-    if vocab != BYTE_VOCAB:
-        raise GenerateError(f"checkpoint: expected the byte-level vocabulary ({BYTE_VOCAB}), "
-                            f"got vocab_size {vocab}; generate has no other tokenizer")
 
 
 def decode_config(cfg: TrainConfig) -> TrainConfig:
@@ -208,7 +202,7 @@ def load_model(load: str, step: int | None = None, device: str = "cpu"
     cfg = decode_config(cfg)
     dev = torch.device(device)
     torch.manual_seed(cfg.optimizer.seed)  # the weights are overwritten; this keeps the build quiet
-    model = build_model(cfg, BYTE_VOCAB, dev).to(device=dev, dtype=model_dtype(cfg))
+    model = build_model(cfg, cfg.model.vocab_size or BYTE_VOCAB, dev).to(dev, model_dtype(cfg))
     try:
         checkpoint.load_weights(load, it, model)
     except checkpoint.CheckpointError as e:
@@ -230,7 +224,7 @@ def check_positions(model: torch.nn.Module, prompt_tokens: int, max_new_tokens: 
     if limit is not None and prompt_tokens > limit:
         # the prompt alone does not fit: no number of new tokens helps
         raise GenerateError(
-            f"--prompt: expected at most {limit} tokens (bytes; the model's learned "
+            f"--prompt: expected at most {limit} tokens (the model's learned "
             f"positions, its --seq-length), got {prompt_tokens}; shorten it by "
             f"{prompt_tokens - limit}")
     if limit is not None and need > limit:
@@ -287,9 +281,9 @@ class Decoder:
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int,
-           generator: torch.Generator | None) -> int:
-    """One token from logits [vocab] (the padded vocabulary's extra ids are never drawn)."""
-    x = logits[:BYTE_VOCAB].double()
+           generator: torch.Generator | None, vocab: int = BYTE_VOCAB) -> int:
+    """One token from logits [padded vocab], drawn among the first ``vocab`` ids only."""
+    x = logits[:vocab].double()
     if temperature == 0:
         return int(x.argmax())
     x = x / temperature
@@ -310,15 +304,17 @@ class Generation:
     decode_s: float
 
 
-def prompt_ids(prompt: str) -> list[int]:
-    """The prompt's byte ids; an empty prompt is the start of a document (EOD)."""
-    return list(prompt.encode("utf-8")) or [EOD]
+def prompt_ids(prompt: str, tok: RunTokenizer | None = None) -> list[int]:
+    """The prompt's ids by ``tok`` (None: bytes); an empty prompt starts a document (EOD)."""
+    tok = tok or load_tokenizer(None)
+    return tok.encode(prompt) or [tok.eod]
 
 
 def generate(model: torch.nn.Module, prompt: list[int], max_new_tokens: int,
              temperature: float = 0.0, top_k: int = 0, seed: int = 0, stop_at_eod: bool = True,
-             on_token: Callable[[int], None] | None = None) -> Generation:
-    """Prefill ``prompt`` (ids), then sample up to ``max_new_tokens`` one at a time."""
+             on_token: Callable[[int], None] | None = None, eod: int = EOD,
+             vocab: int = BYTE_VOCAB) -> Generation:
+    """Prefill ``prompt`` (ids), then sample up to ``max_new_tokens`` ids < ``vocab``."""
     gen = torch.Generator().manual_seed(seed)
     out: list[int] = []
     check_positions(model, len(prompt), max_new_tokens)
@@ -327,8 +323,8 @@ def generate(model: torch.nn.Module, prompt: list[int], max_new_tokens: int,
         logits = dec.advance(torch.tensor([prompt]))[0, -1]
         t1 = time.perf_counter()
         for i in range(max_new_tokens):
-            tok = sample(logits, temperature, top_k, gen)
-            if stop_at_eod and tok == EOD:
+            tok = sample(logits, temperature, top_k, gen, vocab)
+            if stop_at_eod and tok == eod:
                 break
             out.append(tok)
             if on_token is not None:
@@ -339,22 +335,35 @@ def generate(model: torch.nn.Module, prompt: list[int], max_new_tokens: int,
     return Generation(out, len(prompt), t1 - t0, t2 - t1)
 
 
+def header(load: str, it: int) -> str:
+    """The line before the text: the checkpoint, its iteration, the loss it recorded."""
+    from hla_sp.launch.checkpoint.run_config import saved_losses
+
+    losses = saved_losses(load, it)
+    said = next((f"{what} loss {losses[k]:.4g} nats per token" for k, what in
+                 (("val_loss", "validation"), ("loss", "train")) if k in losses),
+                "no loss recorded in the checkpoint")
+    return f"hla-sp generate: {load} iteration {it} ({said})"
+
+
 def _stream(args: argparse.Namespace) -> Generation:
-    """Load the model, print the prompt, then each new token as it comes (stdout)."""
-    model, _ = load_model(args.load, args.ckpt_step, args.device)
-    ids = prompt_ids(args.prompt)
+    """Load model and tokenizer, name the checkpoint, print the prompt, then each token."""
+    cfg, it = load_config(args.load, args.ckpt_step)
+    tok = load_run_tokenizer(cfg)
+    ids = prompt_ids(args.prompt, tok)
+    model, _ = load_model(args.load, it, args.device)
     check_positions(model, len(ids), args.max_new_tokens)  # before printing anything
-    text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    print(header(args.load, it), file=sys.stderr, flush=True)
+    text = tok.stream()
     sys.stdout.write(args.prompt)
 
-    def emit(tok: int) -> None:
-        # an end of document (--no-stop-at-eod) shows as a new line
-        sys.stdout.write(text.decode(bytes([tok if tok < 256 else 10])))
+    def emit(t: int) -> None:
+        sys.stdout.write(text.add(t))  # an end of document (--no-stop-at-eod): a new line
         sys.stdout.flush()
 
     g = generate(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.seed,
-                 args.stop_at_eod, emit)
-    sys.stdout.write(text.decode(b"", final=True) + "\n")
+                 args.stop_at_eod, emit, eod=tok.eod, vocab=cfg.model.vocab_size or BYTE_VOCAB)
+    sys.stdout.write(text.flush() + "\n")
     return g
 
 

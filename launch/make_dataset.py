@@ -1,16 +1,21 @@
-"""Text files to a Megatron indexed dataset (``PREFIX.bin`` + ``PREFIX.idx``), byte-level.
+"""Text files to a Megatron indexed dataset (``PREFIX.bin`` + ``PREFIX.idx``).
 
-    python -m hla_sp.launch.make_dataset --input a.txt docs/ --output-prefix data/corpus
+    hla-sp make-dataset --input a.txt docs/ --output-prefix data/corpus [--tokenizer NAME]
 
-Each file is one document: its UTF-8 bytes (ids 0..255) followed by EOD (256). With
-``--split-lines`` each non-empty line is a document instead. Directories are walked
-(``--suffix`` filters). The result is read by Megatron's ``IndexedDataset`` and by
-``--data-path data/corpus``.
+Each file is one document: its tokens followed by the tokenizer's end of document. The
+default tokenizer is bytes: the file's bytes (ids 0..255), then EOD (256).
+``--tokenizer`` takes a Hugging Face tokenizer instead (a directory, a tokenizer.json or
+a hub name: :mod:`hla_sp.launch.tokenizer`); its end of sequence token ends each
+document. With ``--split-lines`` each non-empty line is a document instead.
+Directories are walked (``--suffix`` filters). Ids are stored in the smallest dtype
+that holds the vocabulary (uint8, uint16 or int32), and ``PREFIX.json`` records the
+tokenizer, its vocabulary and EOD, which the trainer checks ``--tokenizer`` and
+``--vocab-size`` against. The pair is read by Megatron's ``IndexedDataset`` (and
+``pretrain_gpt``) and by ``--data-path data/corpus``.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from collections.abc import Iterator
@@ -18,6 +23,15 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 from hla_sp.launch.data import EOD
+from hla_sp.launch.flags import OneLineParser
+from hla_sp.launch.tokenizer import (
+    BYTES,
+    RunTokenizer,
+    TokenizerError,
+    load_tokenizer,
+    sidecar_path,
+    write_sidecar,
+)
 
 
 def iter_files(inputs: list[str], suffixes: list[str] | None) -> Iterator[str]:
@@ -39,7 +53,7 @@ def iter_files(inputs: list[str], suffixes: list[str] | None) -> Iterator[str]:
 
 
 def encode(text: bytes) -> np.ndarray:
-    """Byte-level tokens of one document, EOD appended."""
+    """Byte-level tokens of one document, EOD appended (the default tokenizer)."""
     return np.concatenate([np.frombuffer(text, dtype=np.uint8).astype(np.uint16), [EOD]])
 
 
@@ -49,59 +63,94 @@ def decode(tokens: np.ndarray) -> bytes:
     return t[t != EOD].astype(np.uint8).tobytes()
 
 
+def token_dtype(vocab_size: int) -> type:
+    """The smallest dtype of Megatron's indexed datasets that holds ids below ``vocab_size``."""
+    for dtype in (np.uint8, np.uint16):
+        if vocab_size <= np.iinfo(dtype).max + 1:
+            return dtype
+    return np.int32
+
+
 def make_dataset(
     inputs: list[str],
     output_prefix: str,
     split_lines: bool = False,
     suffixes: list[str] | None = None,
+    tokenizer: str | RunTokenizer | None = None,
 ) -> dict[str, int]:
-    """Write the dataset; return counts. The pair appears only once both files are complete."""
+    """Write the dataset and its tokenizer record; return counts. The pair appears only
+    once both files are complete; the record is in place before it."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
+    tok = tokenizer if isinstance(tokenizer, RunTokenizer) else load_tokenizer(tokenizer)
+    dtype = token_dtype(tok.vocab_size)
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     tmp = f"{output_prefix}.tmp{os.getpid()}"
-    builder = IndexedDatasetBuilder(tmp + ".bin", dtype=np.uint16)
+    builder = IndexedDatasetBuilder(tmp + ".bin", dtype=dtype)
     docs = tokens = files = 0
-    for path in iter_files(inputs, suffixes):
-        with open(path, "rb") as f:
-            raw = f.read()
-        files += 1
-        pieces = [ln for ln in raw.splitlines() if ln.strip()] if split_lines else [raw]
-        for piece in pieces:
-            arr = encode(piece)
-            builder.add_item(torch.from_numpy(arr.astype(np.int64)))
-            builder.end_document()
-            docs += 1
-            tokens += len(arr)
-    builder.finalize(tmp + ".idx")
+    try:
+        for path in iter_files(inputs, suffixes):
+            with open(path, "rb") as f:
+                raw = f.read()
+            files += 1
+            pieces = [ln for ln in raw.splitlines() if ln.strip()] if split_lines else [raw]
+            for piece in pieces:
+                if tok.name == BYTES:  # no list of Python ints per byte of a large file
+                    ids = encode(piece).astype(np.int64)
+                else:
+                    ids = np.array([*tok.encode_document(piece, f"--input {path}"), tok.eod],
+                                   dtype=np.int64)
+                builder.add_item(torch.from_numpy(ids))
+                builder.end_document()
+                docs += 1
+                tokens += len(ids)
+        builder.finalize(tmp + ".idx")
+    except BaseException:
+        for leftover in (tmp + ".bin", tmp + ".idx"):
+            if os.path.exists(leftover):
+                os.remove(leftover)
+        raise
+    counts = {"files": files, "documents": docs, "tokens": tokens}
+    write_sidecar(sidecar_path(output_prefix), tok,
+                  {**counts, "dtype": np.dtype(dtype).name})
     # write-then-rename, .bin first: a reader that finds the .idx finds a complete .bin
     os.replace(tmp + ".bin", output_prefix + ".bin")
     os.replace(tmp + ".idx", output_prefix + ".idx")
-    return {"files": files, "documents": docs, "tokens": tokens}
+    return counts
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="hla_sp.launch.make_dataset", description=__doc__.split("\n")[0]
-    )
+def build_parser() -> OneLineParser:
+    p = OneLineParser(prog="hla-sp make-dataset", allow_abbrev=False,
+                      description=__doc__.split("\n")[0])
     p.add_argument("--input", nargs="+", required=True, help="Text files or directories.")
-    p.add_argument("--output-prefix", required=True, help="Writes PREFIX.bin and PREFIX.idx.")
+    p.add_argument("--output-prefix", required=True,
+                   help="Writes PREFIX.bin, PREFIX.idx and PREFIX.json (the tokenizer).")
     p.add_argument("--split-lines", action="store_true", help="One document per non-empty line.")
     p.add_argument(
         "--suffix", nargs="*", default=None, help="Only files ending so (in directories)."
     )
-    a = p.parse_args(argv)
+    p.add_argument("--tokenizer", default=None, metavar="NAME_OR_PATH",
+                   help="bytes (the default: UTF-8 bytes, vocabulary 257, EOD 256), or a "
+                        "Hugging Face tokenizer: a directory of its files, a tokenizer.json, "
+                        "or a hub name (downloaded unless cached); its eos token ends each "
+                        "document. Train with the same --tokenizer.")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     try:
-        counts = make_dataset(a.input, a.output_prefix, a.split_lines, a.suffix)
-    except FileNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if counts["documents"] == 0:
-        print("error: no documents found in --input", file=sys.stderr)
+        tok = load_tokenizer(a.tokenizer)  # before any file is read or written
+        counts = make_dataset(a.input, a.output_prefix, a.split_lines, a.suffix, tok)
+        if counts["documents"] == 0:
+            raise FileNotFoundError("--input: no documents found")
+    except (FileNotFoundError, TokenizerError) as e:
+        print(f"hla-sp make-dataset: error: {e}", file=sys.stderr)
         return 2
     print(
         f"wrote {a.output_prefix}.bin/.idx: {counts['files']} files, {counts['documents']} "
-        f"documents, {counts['tokens']} tokens (byte-level, vocab 257, EOD = {EOD})"
+        f"documents, {counts['tokens']} tokens (tokenizer {tok.name}, vocab {tok.vocab_size}, "
+        f"EOD = {tok.eod}; recorded in {sidecar_path(a.output_prefix)})"
     )
     return 0
 

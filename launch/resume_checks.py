@@ -19,11 +19,13 @@ __all__ = ["MODEL_FLAGS", "check_load", "check_skip_train", "config_diff"]
 # The flags that shape the model's parameters or their files: a checkpoint written with
 # other values cannot be loaded (a size mismatch in load_state_dict on every rank).
 # The chunk size, the exchange method and the stages' precision change no parameter, and
-# the checkpoint's pieces reshard across TP, CP and DP sizes, so those may differ.
+# the checkpoint's pieces reshard across TP, CP and DP sizes, so those may differ. The
+# tokenizer gives the embedding's rows their meaning: another one of the same size loads
+# without an error and trains garbage.
 MODEL_FLAGS = (
     "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
     "position_embedding_type", "max_position_embeddings", "vocab_size",
-    "make_vocab_size_divisible_by", "bf16", "fp16",
+    "make_vocab_size_divisible_by", "bf16", "fp16", "tokenizer",
 )
 # Flags of the HLA group that change no parameter: they may differ on resume (the
 # modules --custom-import names only make the operator known; --attention says which).

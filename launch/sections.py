@@ -108,6 +108,8 @@ class ModelConfig(Section):
     """Vocabulary size before padding: the tokenizer's, as in Megatron (default: 257, the
     byte-level tokens of the built-in data and of make_dataset). The data is not scanned
     for it; a token id outside it is refused when read, naming the file."""
+    tokenizer: str | None = None
+    """make-dataset's --tokenizer (bytes, a path or a hub name); gives --vocab-size's default."""
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary to a multiple of this times the tensor-parallel size."""
     hidden_dropout: float = 0.0

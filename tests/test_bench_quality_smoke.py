@@ -49,7 +49,7 @@ def test_recall_and_lm_quick_runs_write_json_and_png(tmp_path: Path) -> None:
         assert 0.0 <= r["acc"] <= 1.0 and r["curve"] and r["curve"][-1]["step"] == r["steps"]
     assert (tmp_path / "recall.png").stat().st_size > 0
     _run([str(BENCH / "bench_lm.py"), "--quick", "--mixers", "linear,hla2", "--jobs", "1",
-          "--out", str(tmp_path)], tmp_path)
+          "--out", str(tmp_path), "--save-models", str(tmp_path / "models")], tmp_path)
     lm = json.loads((tmp_path / "lm.json").read_text())
     assert {r["mixer"] for r in lm["results"]} == {"linear", "hla2"}
     assert all(0 < r["valid_loss"] < 10 for r in lm["results"])
@@ -203,3 +203,24 @@ def test_recall_budget_cuts_runs_and_says_where(tmp_path: Path) -> None:
           "--budget-s", "0", "--out", str(tmp_path)], tmp_path)
     res = json.loads((tmp_path / "recall.json").read_text())
     assert [r["cut_at"] for r in res["results"]] == [0, 0]
+
+
+def test_context_use_scores_the_kept_models(tmp_path: Path) -> None:
+    """bench_lm --save-models keeps models that load back with their validation loss, and
+    bench_context_use scores each on held-out text by position and on passkeys."""
+    _run([str(BENCH / "bench_lm.py"), "--quick", "--mixers", "linear", "--jobs", "1",
+          "--out", str(tmp_path), "--save-models", str(tmp_path / "models")], tmp_path)
+    _run([str(BENCH / "bench_context_use.py"), "--models", str(tmp_path / "models"),
+          "--ppl-length", "256", "--passkey-lengths", "128,256", "--passkey-samples", "2",
+          "--out", str(tmp_path)], tmp_path)
+    res = json.loads((tmp_path / "context_use.json").read_text())
+    lm = json.loads((tmp_path / "lm.json").read_text())["results"][0]
+    (r,) = res["results"]
+    assert r["mixer"] == "linear" and r["T"] == 32
+    assert abs(r["valid_bpb_at_T"] - lm["valid_bpb"]) < 1e-9  # the model kept is the one scored
+    assert [(b["lo"], b["hi"]) for b in r["ppl"]] == [(0, 32), (32, 64), (64, 128), (128, 256)]
+    assert all(0 < b["bits_per_byte"] < 10 for b in r["ppl"])
+    assert {(p["length"], p["depth"]) for p in r["passkey"]} == {
+        (n, d) for n in (128, 256) for d in (0.0, 0.5, 1.0)}
+    assert all(0 <= p["digit_accuracy"] <= 1 for p in r["passkey"])
+    assert (tmp_path / "context_use.png").stat().st_size > 0

@@ -17,7 +17,7 @@ from op_table import rel_err
 
 import hla_sp.ops.chunk.layout as layout
 from hla_sp.ops.chunk_split import SplitChunks
-from hla_sp.ops.custom_op import make_chunk_impl
+from hla_sp.ops.primitive import make_chunk_impl
 
 chunk_linear_attention = make_chunk_impl("torch")  # the operator the library calls
 

@@ -1,7 +1,7 @@
 """torch.compile(fullgraph=True) of a small model built on hla2 and linear_attention.
 
 The primitive is a ``torch.library`` custom operator while compiling (see
-:mod:`hla_sp.ops.custom_op`): these tests check that the graph has no break, that the
+:mod:`hla_sp.ops.primitive`): these tests check that the graph has no break, that the
 operator is in it once per primitive call, that outputs and every gradient equal
 eager mode, and the operator's registration itself (``torch.library.opcheck``).
 Runs on CPU with the torch path; one case runs the Triton path under the interpreter.
@@ -16,7 +16,7 @@ import torch
 
 import hla_sp
 from hla_sp.config import BUILTIN_OPERATORS
-from hla_sp.ops.custom_op import chunk_linear_attention_op
+from hla_sp.ops.primitive import chunk_linear_attention_op
 
 H, K, V = 2, 16, 16
 
@@ -170,7 +170,7 @@ def test_op_gradients_match_autograd() -> None:
         ((o * do.to(o.dtype)).sum() + (h * dht.to(h.dtype)).sum()).backward()
         return [o.detach(), h.detach()] + [x.grad for x in leaves]
 
-    from hla_sp.ops.custom_op import make_chunk_impl
+    from hla_sp.ops.primitive import make_chunk_impl
 
     got = grads(make_chunk_impl("torch"), torch.float64)
     ref = grads(_dense_chunk, torch.float64)

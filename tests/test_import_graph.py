@@ -1,7 +1,8 @@
 """The package's import graph is a one-way street.
 
 Layers, lowest first: ``hla_sp.config`` and ``hla_sp.kernels`` < ``hla_sp.ops`` <
-``hla_sp.parallel`` < ``hla_sp.nn`` < ``hla_sp.megatron_patch`` / ``hla_sp.launch``.
+``hla_sp.parallel`` < ``hla_sp.nn`` < ``hla_sp.hf`` < ``hla_sp.megatron_patch`` /
+``hla_sp.launch``.
 A module may import its own layer or a lower one, never a higher one, not even
 lazily inside a function or under ``TYPE_CHECKING``. The sources are read with
 ``ast``, each folder named by its import name as ``[tool.setuptools.package-dir]``
@@ -32,9 +33,10 @@ LAYERS: dict[str, int] = {
     "hla_sp.parallel": 2,
     "hla_sp.nn": 3,
     "hla_sp.testing": 3,
-    "hla_sp.megatron_patch": 4,
-    "hla_sp.launch": 4,
-    "hla_sp": 5,  # the package facade (hla_sp/__init__.py) re-exports from below
+    "hla_sp.hf": 4,  # the Hugging Face model: plain PyTorch over nn, no megatron
+    "hla_sp.megatron_patch": 5,
+    "hla_sp.launch": 5,
+    "hla_sp": 6,  # the package facade (hla_sp/__init__.py) re-exports from below
 }
 
 

@@ -161,8 +161,7 @@ def test_torch_path_hard_reset(torch_backend: None, op: str, name: str, value: f
 def test_poisoned_decay_inside_the_chunk_path(torch_backend: None, value: float) -> None:
     """The public calls refuse a NaN or +inf decay; the chunk path below them, which
     the layers and the sequence-parallel pieces share, still isolates one."""
-    from hla_sp.ops.custom_op import chunk_impl
-    from hla_sp.ops.primitive import local_primitive
+    from hla_sp.ops.primitive import chunk_impl, local_primitive
 
     x = _inputs()
     with pytest.raises(ValueError, match="log_decay"):
@@ -236,7 +235,7 @@ def test_triton_kernels_documents(triton_backend: None, name: str, value: float)
 
 
 def test_triton_kernels_hard_reset_and_decay(triton_backend: None) -> None:
-    from hla_sp.ops.custom_op import chunk_linear_attention_triton
+    from hla_sp.ops.primitive import chunk_linear_attention_triton
 
     x = _dev(_inputs())
     x["g"][0, 40] = -INF

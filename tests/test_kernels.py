@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import hla_sp
-from hla_sp.ops.custom_op import make_chunk_impl
+from hla_sp.ops.primitive import make_chunk_impl
 from hla_sp.testing import assert_within_rounding, decay_grad_magnitude
 
 # the reference: the torch backend of the same operator, whatever HLA_SP_BACKEND says
@@ -43,7 +43,7 @@ def interp(monkeypatch: pytest.MonkeyPatch) -> Iterator[SimpleNamespace]:
     if DEVICE == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("HLA_SP_BACKEND", "triton")
-    from hla_sp.ops.custom_op import chunk_linear_attention_triton
+    from hla_sp.ops.primitive import chunk_linear_attention_triton
 
     yield SimpleNamespace(fn=chunk_linear_attention_triton, launches=launches)
 
@@ -344,7 +344,7 @@ def test_final_state_loss_only(interp: SimpleNamespace, num_threads: int) -> Non
 
 def test_triton_unavailable_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     """Forcing Triton on CPU without the interpreter, or for fp64, raises; never falls back."""
-    from hla_sp.ops.custom_op import chunk_linear_attention_triton
+    from hla_sp.ops.primitive import chunk_linear_attention_triton
 
     monkeypatch.setenv("HLA_SP_BACKEND", "triton")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

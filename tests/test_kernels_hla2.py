@@ -24,7 +24,7 @@ from test_kernels import depth
 
 import hla_sp
 from hla_sp.ops import hla2_fused
-from hla_sp.ops.compositions import DEFAULT_EPS
+from hla_sp.ops.table import DEFAULT_EPS
 from hla_sp.testing import assert_within_rounding, decay_grad_magnitude
 
 H, K, V = 2, 16, 32

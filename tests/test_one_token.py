@@ -13,8 +13,8 @@ import itertools
 import pytest
 import torch
 
-from hla_sp.ops.custom_op import chunk_linear_attention_op, make_chunk_impl
 from hla_sp.ops.one_token import one_token
+from hla_sp.ops.primitive import chunk_linear_attention_op, make_chunk_impl
 
 B, H, K, V = 2, 3, 8, 5
 

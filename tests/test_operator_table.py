@@ -17,8 +17,8 @@ import torch
 
 from hla_sp import config
 from hla_sp.ops import operators
-from hla_sp.ops.compositions import StageContext
 from hla_sp.ops.runner import run_operator
+from hla_sp.ops.table import StageContext
 
 TOY = "toy_qqv"
 F64 = torch.float64

@@ -292,7 +292,7 @@ def test_final_state_dtype_is_fp32_for_bf16_inputs():
 
 def test_chunk_path_on_an_empty_shard_passes_the_carry_through():
     """Sequence parallelism can hand a rank zero tokens; the chunk path must cope."""
-    from hla_sp.ops.custom_op import make_chunk_impl
+    from hla_sp.ops.primitive import make_chunk_impl
 
     chunk_linear_attention = make_chunk_impl("torch")
     h0 = torch.randn(2, 3, 4, 5, dtype=torch.float64)

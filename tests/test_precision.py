@@ -21,7 +21,7 @@ import torch
 import hla_sp
 from hla_sp.config import HLAConfig
 from hla_sp.nn import HLAHeads
-from hla_sp.ops import precision as P
+from hla_sp.ops import dispatch as P
 from hla_sp.ops import reference as R
 from hla_sp.ops.dispatch import use_backend
 from hla_sp.testing import assert_within_reference_error

@@ -27,7 +27,7 @@ from torch import nn
 from hla_sp.config import DECAYS, PRECISIONS, HLAConfig, operator_names
 from hla_sp.nn.conv import ShortConv
 from hla_sp.ops import operators, validate
-from hla_sp.ops.precision import compute_dtype, resolve, stage_dtype
+from hla_sp.ops.dispatch import compute_dtype, resolve, stage_dtype
 from hla_sp.ops.runner import execute
 from hla_sp.ops.sharding import BatchPlan
 from hla_sp.ops.sp_protocol import SequenceParallelism
@@ -84,7 +84,7 @@ class HLAHeads(nn.Module):
         scale: query scale; None means K ** -0.5.
         chunk_size: chunk length of the chunk-parallel path.
         precision: "auto" | "exact" | "fast": what the operator's stages exchange for
-            16-bit inputs (:mod:`hla_sp.ops.precision`; auto is fast on CUDA).
+            16-bit inputs (:mod:`hla_sp.ops.dispatch`; auto is fast on CUDA).
         head_offset: global index of the first kv head (tensor parallelism), so the
             fixed schedule does not restart on every rank.
         total_kv_heads: kv heads over all ranks (the schedule's length); default Hkv.

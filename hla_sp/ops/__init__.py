@@ -1,4 +1,4 @@
-"""Operators: the primitive, its compositions, their table and runner, the references.
+"""Operators: the primitive, the table of its compositions, their runner, the references.
 
 Every built-in operator's public function and state type is exported from here (and
 from ``hla_sp``) by its entry in the table, so a new built-in needs no export line.

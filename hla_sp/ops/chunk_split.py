@@ -59,6 +59,7 @@ from hla_sp.ops.chunk.layout import (
     to_tokens,
     weighted,
 )
+from hla_sp.ops.dispatch import compute_dtype
 from hla_sp.ops.isolation import (
     bad_rows,
     bad_state,
@@ -69,7 +70,6 @@ from hla_sp.ops.isolation import (
     poison_segments,
     poisoned_prefix,
 )
-from hla_sp.ops.precision import compute_dtype
 
 Tensor = torch.Tensor
 

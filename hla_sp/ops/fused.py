@@ -15,12 +15,6 @@ from typing import Any
 import torch
 
 from hla_sp.ops import validate
-from hla_sp.ops.compositions import (
-    DEFAULT_EPS,
-    HLA2State,
-    split_denominator,
-    with_denominator,
-)
 from hla_sp.ops.dispatch import (
     triton_fused_hla2_backward,
     triton_fused_hla2_forward,
@@ -38,7 +32,13 @@ from hla_sp.ops.isolation import (
     poisoned_prefix,
 )
 from hla_sp.ops.primitive import DEFAULT_CHUNK_SIZE
-from hla_sp.ops.table import state_fields
+from hla_sp.ops.table import (
+    DEFAULT_EPS,
+    HLA2State,
+    split_denominator,
+    state_fields,
+    with_denominator,
+)
 
 Tensor = torch.Tensor
 

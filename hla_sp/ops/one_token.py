@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from hla_sp.ops.dispatch import compute_dtype
 from hla_sp.ops.isolation import bad_state, poison_
-from hla_sp.ops.precision import compute_dtype
 
 Tensor = torch.Tensor
 

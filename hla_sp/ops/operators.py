@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from hla_sp.config import BUILTIN_OPERATORS
-from hla_sp.ops import compositions as C
 from hla_sp.ops import reference as R
+from hla_sp.ops import table as C
 from hla_sp.ops.linear_attention import linear_attention
 from hla_sp.ops.primitive import DEFAULT_CHUNK_SIZE
 from hla_sp.ops.runner import run_operator
@@ -68,7 +68,7 @@ def hla2(
         initial_state: :class:`C.HLA2State` (eta required iff ``normalize``); S must be
             symmetric, as every S the operators return (a non-symmetric one is refused).
         precision: "auto" | "exact" | "fast": what the stages exchange for 16-bit
-            inputs (:mod:`hla_sp.ops.precision`); auto is fast on CUDA, exact elsewhere.
+            inputs (:mod:`hla_sp.ops.dispatch`); auto is fast on CUDA, exact elsewhere.
         plan: the batch's :class:`~hla_sp.ops.sharding.BatchPlan` instead of
             ``cu_seqlens`` (no host read).
         Other keywords as in :func:`hla_sp.linear_attention`.

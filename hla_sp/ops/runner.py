@@ -24,11 +24,11 @@ import torch
 
 from hla_sp.config import PRECISIONS
 from hla_sp.ops import table, validate
-from hla_sp.ops.compositions import StageContext
-from hla_sp.ops.precision import resolve, stage_dtype
+from hla_sp.ops.dispatch import resolve, stage_dtype
 from hla_sp.ops.primitive import DEFAULT_CHUNK_SIZE, primitive
 from hla_sp.ops.sharding import BatchPlan
 from hla_sp.ops.sp_protocol import SequenceParallelism
+from hla_sp.ops.table import StageContext
 
 __all__ = ["run_operator"]
 
@@ -160,10 +160,10 @@ def run_operator(
             operator whose public function takes its one field bare (``linear``), that
             tensor is accepted too.
         key_mix, value_mix: [Hq] weights of the first-order path (see
-            :class:`hla_sp.ops.compositions.StageContext`), or None for the pure
+            :class:`hla_sp.ops.table.StageContext`), or None for the pure
             operator; an operator without that mix ignores it.
         mix_norm: unit-normalise the mixed-in k~ and u per token (``StageContext``).
-        precision: "auto" | "exact" | "fast" (:mod:`hla_sp.ops.precision`).
+        precision: "auto" | "exact" | "fast" (:mod:`hla_sp.ops.dispatch`).
         plan: the batch's :class:`~hla_sp.ops.sharding.BatchPlan` instead of
             ``cu_seqlens``.
         options: the operator's own (hla2: normalize, eps, ridge); the others must be

@@ -42,9 +42,8 @@ import torch
 
 from hla_sp.ops.chunk import segment_summary, with_carry_terms
 from hla_sp.ops.chunk_split import SplitChunks
-from hla_sp.ops.dispatch import backend_for
+from hla_sp.ops.dispatch import backend_for, compute_dtype
 from hla_sp.ops.isolation import carry_into
-from hla_sp.ops.precision import compute_dtype
 from hla_sp.ops.primitive import local_primitive
 from hla_sp.parallel import exchange
 from hla_sp.parallel import summaries as S

@@ -4,7 +4,8 @@ Layout (a shared filesystem is assumed, as Megatron does)::
 
     SAVE/latest_checkpointed_iteration.txt     written last; names a complete iter_ dir
     SAVE/iter_0000042/common.pt                rank 0: iteration, data position, scheduler,
-                                               optimizer settings and step, loss scale
+                                               optimizer settings and step, loss scale,
+                                               the iteration's loss and validation loss
     SAVE/iter_0000042/config.json              rank 0: the run's flags (--load compares them)
     SAVE/iter_0000042/model_optim/             torch.distributed.checkpoint (DCP): weights,
                                                fp32 masters, optimizer moments, whole tensors

@@ -12,10 +12,12 @@ from typing import Any
 
 import torch
 from hla_sp.launch.checkpoint.layout import (
+    COMMON,
     CONFIG,
     LEGACY_MODEL,
     CheckpointError,
     checkpoint_dir,
+    read_torch_file,
 )
 
 # deeper than this, a config.json is not one the trainer wrote (its deepest value is a
@@ -160,3 +162,14 @@ def saved_config(root: str, iteration: int) -> dict[str, Any] | None:
     cfg = state.get("config") if isinstance(state, dict) else None
     return check_config_dict(cfg, f"{model_file} (its config entry)") if cfg is not None else None
 
+
+def saved_losses(root: str, iteration: int) -> dict[str, float]:
+    """The losses the trainer recorded with a checkpoint (``common.pt``): ``loss``, the
+    saved iteration's training loss, and ``val_loss``, its validation loss when it was
+    evaluated at that iteration (nats per token); empty when it records none."""
+    path = os.path.join(checkpoint_dir(root, iteration), COMMON)
+    if not os.path.isfile(path):  # the first format keeps no common.pt
+        return {}
+    extra = read_torch_file(path, "iteration, losses and optimizer settings").get("extra")
+    losses = extra.get("losses") if isinstance(extra, dict) else None
+    return {k: float(v) for k, v in (losses or {}).items()}

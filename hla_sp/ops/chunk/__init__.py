@@ -17,7 +17,7 @@ catastrophically once one token's decay is huge (-1e6 costs all of fp32's digits
 no cancellation, and -inf simply gives a weight of 0.
 
 Memory: the forward keeps nothing but its inputs (the custom operator of
-:mod:`hla_sp.ops.custom_op` saves q, k, v, g, h0); the backward recomputes the chunk
+:mod:`hla_sp.ops.primitive` saves q, k, v, g, h0); the backward recomputes the chunk
 summaries (one batched matmul), the state scan and the intra-chunk terms, and applies
 hand-written gradients. All chunks are handled by batched matmuls over
 [B, H, N, C, .]; only the state passing between chunks is a loop over N, on

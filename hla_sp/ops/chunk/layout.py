@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hla_sp.ops.dispatch import compute_dtype
 from hla_sp.ops.isolation import finite, finite_decay
-from hla_sp.ops.precision import compute_dtype
 
 Tensor = torch.Tensor
 

@@ -1,5 +1,5 @@
 """The blocked forward and backward of the chunk path (no autograd: the custom operator
-of :mod:`hla_sp.ops.custom_op` owns it).
+of :mod:`hla_sp.ops.primitive` owns it).
 
 Both run over blocks of whole chunks (:func:`hla_sp.ops.chunk.layout.block_ranges`), so
 every temporary is the size of one block; the forward keeps nothing, the backward
@@ -20,8 +20,8 @@ from hla_sp.ops.chunk.layout import (
     to_tokens,
     weighted,
 )
+from hla_sp.ops.dispatch import compute_dtype
 from hla_sp.ops.isolation import finite
-from hla_sp.ops.precision import compute_dtype
 
 Tensor = torch.Tensor
 

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from hla_sp.ops.dispatch import compute_dtype
 from hla_sp.ops.isolation import bad_state, bad_tokens, cuts, finite, finite_decay, poisoned_prefix
-from hla_sp.ops.precision import compute_dtype
 
 Tensor = torch.Tensor
 
