@@ -91,35 +91,6 @@ class Plan:
     data: Any  # eval_tasks.TextWindows (ppl-by-position), the RunTokenizer (passkey)
 
 
-def read_config(load: str, step: int | None) -> tuple[Any, int]:
-    """The config of a checkpoint under ``load`` (its latest iteration, or ``step``) with
-    the run's custom operators imported; (config, iteration). As generate's
-    ``load_config``, without its check that one process can decode the model."""
-    from hla_sp.launch import checkpoint
-    from hla_sp.launch.config import TrainConfig
-    from hla_sp.megatron_patch.args import import_custom
-
-    if not os.path.isdir(load):
-        raise ConfigError(f"--load {load}: no such directory")
-    it = checkpoint.latest_iteration(load) if step is None else step
-    if it is None:
-        raise ConfigError(f"--load {load}: no complete checkpoint there (expected "
-                          f"{checkpoint.LATEST} and an iter_ directory from --save)")
-    saved = checkpoint.saved_config(load, it)
-    where = checkpoint.checkpoint_dir(load, it)
-    if saved is None:
-        raise ConfigError(f"{where}: no config.json (the checkpoint does not say which model "
-                          f"it holds)")
-    try:
-        import_custom((saved.get("hla") or {}).get("custom_import") or [])
-    except ValueError as e:
-        raise ConfigError(f"{where}: the run's {e}") from None
-    try:
-        return TrainConfig.from_dict(saved), it
-    except (ConfigError, TypeError) as e:
-        raise ConfigError(f"{where}/config.json: {e}") from None
-
-
 def _check_flags(args: argparse.Namespace) -> int:
     """The numeric flags, named; returns the CP size."""
     if args.nproc_per_node < 1:
@@ -168,6 +139,7 @@ def _check_model(cfg: Any, cp: int, lengths: list[int]) -> Any:
 
 def make_plan(args: argparse.Namespace) -> Plan:
     """Check the flags, the checkpoint and the data, in that order; nothing is run."""
+    from hla_sp.launch import checkpoint
     from hla_sp.launch import eval_tasks as tasks
     from hla_sp.megatron_patch.args import import_custom
 
@@ -178,7 +150,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         import_custom(args.custom_import)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    cfg, it = read_config(args.load, args.ckpt_step)
+    cfg, it = checkpoint.load_run_config(args.load, args.ckpt_step)
     run_cfg = _check_model(cfg, cp, lengths)
     data: Any
     if args.task == "passkey":

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import os
 import sys
 import time
 import warnings
@@ -111,32 +110,12 @@ def load_config(load: str, step: int | None = None) -> tuple[TrainConfig, int]:
     """The config of a checkpoint under ``load`` (its latest iteration, or ``step``), checked
     to be one generate decodes; (config, iteration)."""
     from hla_sp.launch import checkpoint
-    from hla_sp.launch.config import ConfigError, flat_config
+    from hla_sp.launch.config import ConfigError
 
-    if not os.path.isdir(load):
-        raise GenerateError(f"--load {load}: no such directory")
     try:
-        it = checkpoint.latest_iteration(load) if step is None else step
-        if it is None:
-            raise GenerateError(f"--load {load}: no complete checkpoint there (expected "
-                                f"{checkpoint.LATEST} and an iter_ directory from --save)")
-        saved = checkpoint.saved_config(load, it)
-    except checkpoint.CheckpointError as e:
+        cfg, it = checkpoint.load_run_config(load, step)
+    except (ConfigError, checkpoint.CheckpointError) as e:
         raise GenerateError(str(e)) from None
-    if saved is None:
-        raise GenerateError(f"{checkpoint.checkpoint_dir(load, it)}: no config.json (the "
-                            "checkpoint does not say which model it holds)")
-    from hla_sp.megatron_patch.args import import_custom
-
-    try:
-        # the modules that registered the run's operator (--custom-import), imported again
-        import_custom((flat_config(saved).get("hla") or {}).get("custom_import") or [])
-    except ValueError as e:
-        raise GenerateError(f"{checkpoint.checkpoint_dir(load, it)}: the run's {e}") from None
-    try:
-        cfg = TrainConfig.from_dict(saved)
-    except (ConfigError, TypeError) as e:
-        raise GenerateError(f"{checkpoint.checkpoint_dir(load, it)}/config.json: {e}") from None
     check_decodable(cfg)
     return cfg, it
 

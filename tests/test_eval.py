@@ -28,7 +28,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from hla_sp.launch import eval_tasks as tasks
-from hla_sp.launch.local import _env
+from hla_sp.launch.local import worker_env as _env
 
 ROOT = Path(__file__).resolve().parents[1]
 HLA_SP = os.path.join(os.path.dirname(sys.executable), "hla-sp")
@@ -281,7 +281,9 @@ def _edited(trained: Path, root: Path, **change: Any) -> Path:
     ckpt = root / "c"
     shutil.copytree(trained, ckpt)
     d = ckpt / "iter_0000002"
-    cfg = json.loads((d / "config.json").read_text())
+    from hla_sp.launch.config import flat_config
+
+    cfg = flat_config(json.loads((d / "config.json").read_text()))  # flat: still read
     cfg.update(change)
     (d / "config.json").write_text(json.dumps(cfg))
     man = json.loads((d / "manifest.json").read_text())

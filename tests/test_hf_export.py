@@ -29,7 +29,7 @@ pytest.importorskip("megatron.core")
 
 from hla_sp.launch import export
 from hla_sp.launch import generate as gen
-from hla_sp.launch.local import _env
+from hla_sp.launch.local import worker_env as _env
 
 from hla_sp.config import HLAConfig
 
@@ -185,8 +185,8 @@ def test_config_and_files(exported: dict[str, Path], runs: dict[str, Path]) -> N
     # every HLA option, as the run's layers had it
     saved = json.loads((runs["tp2"] / "iter_0000003" / "config.json").read_text())
     assert {f"hla_{f.name}" for f in dataclasses.fields(HLAConfig)} <= set(cfg)
-    assert cfg["hla_operator"] == saved["hla"]["attention"] == "hla2"
-    assert cfg["hla_chunk_size"] == saved["hla"]["hla_chunk_size"]
+    assert cfg["hla_operator"] == saved["model"]["attention"] == "hla2"
+    assert cfg["hla_chunk_size"] == saved["hla"]["chunk_size"]
     gen_cfg = json.loads((d / "generation_config.json").read_text())
     assert gen_cfg["eos_token_id"] == 256 == cfg["eod_token_id"]
     from safetensors import safe_open

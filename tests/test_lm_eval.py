@@ -26,7 +26,7 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("lm_eval")
 
 from hla_sp.launch import export
-from hla_sp.launch.local import _env
+from hla_sp.launch.local import worker_env as _env
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "lm_eval"

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hla_sp.launch import tokenizer as T
-from hla_sp.launch.local import _env
+from hla_sp.launch.local import worker_env as _env
 
 ROOT = Path(__file__).resolve().parents[1]
 HLA_SP = os.path.join(os.path.dirname(sys.executable), "hla-sp")
@@ -184,7 +184,7 @@ def test_checkpoint_records_the_tokenizer_and_losses(ckpt: Path, hf_tok: dict[st
 
     saved = json.loads((ckpt / "iter_0000004" / "config.json").read_text())
     # --vocab-size was not given: the tokenizer's vocabulary
-    assert saved["tokenizer"] == hf_tok["dir"] and saved["vocab_size"] == 300
+    assert saved["model"]["tokenizer"] == hf_tok["dir"] and saved["model"]["vocab_size"] == 300
     losses = saved_losses(str(ckpt), 4)
     assert set(losses) == {"loss", "val_loss"}
     assert all(np.isfinite(v) and 0 < v < 10 for v in losses.values()), losses

@@ -68,7 +68,7 @@ from hla_sp.launch.checkpoint.preflight_checks import (
     schedule_diff,
 )
 from hla_sp.launch.checkpoint.rng import rng_state, set_rng_state
-from hla_sp.launch.checkpoint.run_config import check_config_dict, saved_config
+from hla_sp.launch.checkpoint.run_config import check_config_dict, load_run_config, saved_config
 from hla_sp.launch.checkpoint.store import load, load_weights, save
 
 __all__ = [
@@ -96,6 +96,7 @@ __all__ = [
     "iter_dir",
     "latest_iteration",
     "load",
+    "load_run_config",
     "load_weights",
     "newest_finite",
     "preflight",

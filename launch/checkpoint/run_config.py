@@ -173,3 +173,35 @@ def saved_losses(root: str, iteration: int) -> dict[str, float]:
     extra = read_torch_file(path, "iteration, losses and optimizer settings").get("extra")
     losses = extra.get("losses") if isinstance(extra, dict) else None
     return {k: float(v) for k, v in (losses or {}).items()}
+
+
+def load_run_config(load: str, step: int | None = None) -> tuple[Any, int]:
+    """The :class:`~hla_sp.launch.config.TrainConfig` of the checkpoint under ``load`` (its
+    latest iteration, or ``step``), with the modules its run named by --custom-import
+    imported again (they register its operator); (config, iteration). What generate,
+    export and eval read first. Raises ConfigError (or CheckpointError) in one line."""
+    from hla_sp.launch.checkpoint.layout import LATEST, checkpoint_dir, latest_iteration
+    from hla_sp.launch.config import TrainConfig, flat_config
+    from hla_sp.launch.errors import ConfigError
+    from hla_sp.megatron_patch.args import import_custom
+
+    if not os.path.isdir(load):
+        raise ConfigError(f"--load {load}: no such directory")
+    it = latest_iteration(load) if step is None else step
+    if it is None:
+        raise ConfigError(f"--load {load}: no complete checkpoint there (expected {LATEST} "
+                          f"and an iter_ directory from --save)")
+    saved = saved_config(load, it)
+    where = checkpoint_dir(load, it)
+    if saved is None:
+        raise ConfigError(f"{where}: no config.json (the checkpoint does not say which model "
+                          f"it holds)")
+    try:
+        # the modules that registered the run's operator, in either form of config.json
+        import_custom((flat_config(saved).get("hla") or {}).get("custom_import") or [])
+    except ValueError as e:
+        raise ConfigError(f"{where}: the run's {e}") from None
+    try:
+        return TrainConfig.from_dict(saved), it
+    except (ConfigError, TypeError) as e:
+        raise ConfigError(f"{where}/config.json: {e}") from None
