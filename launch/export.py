@@ -134,7 +134,7 @@ def _write_code(out: str, byte_tokenizer: bool) -> None:
 
 
 def _probe(vocab: int, positions: int | None) -> torch.Tensor:
-    """The token ids [1, T] both models are run on: seeded, every id in the vocabulary."""
+    """The token ids [1, T] both models are run on: seeded, drawn from the tokenizer's ids."""
     n = PROBE_TOKENS if positions is None else min(PROBE_TOKENS, positions)
     return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(PROBE_SEED))
 

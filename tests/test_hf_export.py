@@ -5,7 +5,8 @@ parallelism 2 with GQA, are exported as docs/eval.md writes the command; each ex
 loads with ``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`` (in a
 fresh process, which imports nothing of hla-sp itself) and gives the logits of the
 checkpoint loaded in one process as ``hla-sp generate`` loads it. Then bf16, the
-output directory's rules and the one-line errors.
+output directory's rules, the one-line errors, a run with a Hugging Face BPE tokenizer
+and one of a user's operator (--custom-import).
 """
 
 from __future__ import annotations
@@ -49,24 +50,17 @@ RUNS = {  # the layouts that save: each a different sharding of the same whole t
 REL = 1e-5
 
 
-def _doc_command(prog: str) -> list[str]:
-    """The first ``prog`` command of docs/eval.md's bash blocks, as written."""
+def _documented_export(load: Path, out: Path) -> list[str]:
+    """docs/eval.md's ``hla-sp export`` command as written, on this test's paths."""
     text = (ROOT / "docs" / "eval.md").read_text()
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         for line in re.sub(r"\\\n\s*", " ", block).splitlines():
-            line = line.split(" #")[0].strip()
-            if line.startswith(prog + " "):
-                return shlex.split(line)
-    raise AssertionError(f"docs/eval.md: no {prog} command")
-
-
-def _export_as_documented(load: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    argv = _doc_command("hla-sp export")
-    argv = [str(load) if a == "runs/demo/ckpt" else str(out) if a == "runs/demo/hf" else a
-            for a in argv]
-    assert str(load) in argv and str(out) in argv, argv
-    return subprocess.run([HLA_SP, *argv[1:], *extra], capture_output=True, text=True,
-                          env=_env(None), cwd=ROOT, timeout=600)
+            if line.startswith("hla-sp export "):
+                subs = {"runs/demo/ckpt": str(load), "runs/demo/hf": str(out)}
+                argv = [subs.get(a, a) for a in shlex.split(line.split(" #")[0])]
+                assert str(load) in argv and str(out) in argv, argv
+                return argv
+    raise AssertionError("docs/eval.md: no hla-sp export command")
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +84,9 @@ def exported(runs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) ->
     out = {}
     for name, ckpt in runs.items():
         if name == "cp2":  # as docs/eval.md writes the command
-            p = _export_as_documented(ckpt, d / name)
+            p = subprocess.run([HLA_SP, *_documented_export(ckpt, d / name)[1:]],
+                               capture_output=True, text=True, env=_env(None), cwd=ROOT,
+                               timeout=600)
             assert p.returncode == 0, p.stderr
             stdout, stderr = p.stdout, p.stderr
         else:  # in this process: the same command without a second interpreter's imports
@@ -110,14 +106,14 @@ def _probe(n: int = 48) -> torch.Tensor:
     return torch.randint(0, 257, (1, n), generator=torch.Generator().manual_seed(3))
 
 
-def _checkpoint_logits(ckpt: Path, ids: torch.Tensor) -> torch.Tensor:
-    """The logits [T, 257] of the checkpoint loaded in one process (hla-sp generate's
+def _checkpoint_logits(ckpt: Path, ids: torch.Tensor, vocab: int = 257) -> torch.Tensor:
+    """The logits [T, vocab] of the checkpoint loaded in one process (hla-sp generate's
     loader: any TP/CP layout resharded into whole tensors)."""
     warnings.simplefilter("ignore")
     with gen.single_process():
         model, _ = gen.load_model(str(ckpt))
         with torch.no_grad():
-            return model(ids, torch.arange(ids.shape[1])[None], None)[0, :, :257].float()
+            return model(ids, torch.arange(ids.shape[1])[None], None)[0, :, :vocab].float()
 
 
 # A fresh interpreter: nothing of hla-sp imported, only each directory's auto_map.
@@ -168,11 +164,9 @@ def test_export_equals_the_checkpoint_with_trust_remote_code(
 
 def test_config_and_files(exported: dict[str, Path], runs: dict[str, Path]) -> None:
     d = exported["tp2"]
-    names = sorted(os.listdir(d))
-    for f in ("config.json", "model.safetensors", "generation_config.json",
-              "tokenizer_config.json", "configuration_hla_sp.py", "modeling_hla_sp.py",
-              "tokenization_hla_sp.py"):
-        assert f in names, names
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer_config.json",
+            "configuration_hla_sp.py", "modeling_hla_sp.py", "tokenization_hla_sp.py"} <= set(
+        os.listdir(d)), os.listdir(d)
     assert not [n for n in os.listdir(d.parent) if ".tmp-" in n or ".old-" in n]
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["model_type"] == "hla_sp" and cfg["architectures"] == ["HLASPForCausalLM"]
@@ -196,7 +190,7 @@ def test_config_and_files(exported: dict[str, Path], runs: dict[str, Path]) -> N
         emb = f.get_tensor("model.embed_tokens.weight")
     # the padded rows (TP 2 pads 257 to 512) are gone; the tied output layer is not stored
     assert emb.shape == (257, 32) and "lm_head.weight" not in keys
-    assert "import" in (d / "modeling_hla_sp.py").read_text()  # code of the package, no copy
+    assert "from hla_sp.hf" in (d / "modeling_hla_sp.py").read_text()  # the package's code
 
 
 def test_loads_without_trust_remote_code_after_import(exported: dict[str, Path],
@@ -293,9 +287,8 @@ def test_errors_are_one_line(runs: dict[str, Path], tmp_path: Path, case: str, m
         assert os.listdir(out) == ["notes.txt"]
 
 
-def test_missing_extra_is_one_line(runs: dict[str, Path], tmp_path: Path,
-                                   monkeypatch: pytest.MonkeyPatch,
-                                   capsys: pytest.CaptureFixture) -> None:
+def test_missing_extra_is_one_line(runs: dict[str, Path], tmp_path: Path, monkeypatch:
+                                   pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     from hla_sp.launch import extras
 
     monkeypatch.setattr(extras, "installed", lambda m: m != "transformers")
@@ -336,7 +329,7 @@ def test_custom_operator_exports_and_loads(tmp_path: Path, monkeypatch: pytest.M
         operators.unregister("qqv")
         sys.modules.pop("qqv_user_op", None)
     (tmp_path / "qqv_user_op.py").unlink()  # the module is gone: refused in one line
-    capsys.readouterr()  # (the progress bar of the load above)
+    capsys.readouterr()  # (the load's progress bar)
     assert _main(["--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "o2")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--custom-import qqv_user_op: cannot import it" in err, err
@@ -402,10 +395,6 @@ def test_export_with_the_runs_hf_tokenizer(bpe_run: dict[str, Path]) -> None:
     ids = torch.tensor([tok(text).input_ids])
     with torch.no_grad():
         got = model(ids).logits[0]
-    warnings.simplefilter("ignore")
-    with gen.single_process():
-        ckpt_model, _ = gen.load_model(str(bpe_run["ckpt"]))
-        with torch.no_grad():
-            want = ckpt_model(ids, torch.arange(ids.shape[1])[None], None)[0, :, :290]
+    want = _checkpoint_logits(bpe_run["ckpt"], ids, vocab=290)
     assert got.shape == want.shape
     assert float((got - want).abs().max()) <= REL * float(want.abs().max())
