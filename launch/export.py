@@ -148,7 +148,7 @@ def write_export(args: argparse.Namespace, out: str) -> str:
     from hla_sp.launch.tokenizer import load_run_tokenizer
 
     dtype = DTYPES[args.dtype]
-    model, cfg = load_model(args.load, args.ckpt_step)
+    model, cfg = load_model(args.load, args.ckpt_step, decodable=False)
     tok = load_run_tokenizer(cfg)
     # the model's vocabulary, not the tokenizer's when --vocab-size exceeded it: the ids
     # above the tokenizer's were trained (to improbability) and share the softmax
@@ -171,7 +171,9 @@ def write_export(args: argparse.Namespace, out: str) -> str:
     # bf16 for --dtype bf16), so that the comparison is exact up to summation order
     model = model.float()
     ids = _probe(tok.vocab_size, max_positions(model))  # ids the tokenizer makes
-    with torch.no_grad():
+    from hla_sp.megatron_patch.compat import rotary_on_host
+
+    with torch.no_grad(), rotary_on_host():
         for p in model.parameters():
             p.copy_(p.to(dtype).float())
         want = model(ids, torch.arange(ids.shape[1])[None], None)[0, :, :vocab]

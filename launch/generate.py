@@ -106,9 +106,10 @@ def check_device(device: str) -> None:
                             f"has {n} CUDA device{'s' if n > 1 else ''}), got index {dev.index}")
 
 
-def load_config(load: str, step: int | None = None) -> tuple[TrainConfig, int]:
-    """The config of a checkpoint under ``load`` (its latest iteration, or ``step``), checked
-    to be one generate decodes; (config, iteration)."""
+def load_config(load: str, step: int | None = None, decodable: bool = True
+                ) -> tuple[TrainConfig, int]:
+    """The config of a checkpoint under ``load`` (its latest iteration, or ``step``), with
+    ``decodable`` checked to be one generate decodes; (config, iteration)."""
     from hla_sp.launch import checkpoint
     from hla_sp.launch.config import ConfigError
 
@@ -116,7 +117,8 @@ def load_config(load: str, step: int | None = None) -> tuple[TrainConfig, int]:
         cfg, it = checkpoint.load_run_config(load, step)
     except (ConfigError, checkpoint.CheckpointError) as e:
         raise GenerateError(str(e)) from None
-    check_decodable(cfg)
+    if decodable:
+        check_decodable(cfg)
     return cfg, it
 
 
@@ -170,14 +172,15 @@ def single_process() -> Iterator[None]:
             dist.destroy_process_group()
 
 
-def load_model(load: str, step: int | None = None, device: str = "cpu"
-               ) -> tuple[torch.nn.Module, TrainConfig]:
-    """The checkpoint's GPTModel in eval mode on ``device``, and its config. Call inside
+def load_model(load: str, step: int | None = None, device: str = "cpu",
+               decodable: bool = True) -> tuple[torch.nn.Module, TrainConfig]:
+    """The checkpoint's GPTModel in eval mode on ``device``, and its config (``decodable``:
+    refuse what generate cannot decode; export reads every checkpoint). Call inside
     :func:`single_process`."""
     from hla_sp.launch import checkpoint
     from hla_sp.launch.model import build_model, model_dtype
 
-    cfg, it = load_config(load, step)
+    cfg, it = load_config(load, step, decodable)
     cfg = decode_config(cfg)
     dev = torch.device(device)
     torch.manual_seed(cfg.optimizer.seed)  # the weights are overwritten; this keeps the build quiet

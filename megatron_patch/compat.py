@@ -17,13 +17,16 @@
   ========  ==============================================================  =========
 * :func:`tokenizer`: Megatron's tokenizer, from ``get_tokenizer`` or whichever module
   of this release builds it.
+* :func:`rotary_on_host`: a forward of a RoPE model on the CPU (every release moves the
+  rotary frequencies to ``torch.cuda.current_device()`` on the first forward).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 PRETRAIN_ROUTES = ("legacy", "provider", "config")
@@ -153,3 +156,27 @@ def tokenizer(args: Any) -> Any:
         if hasattr(mod, "build_tokenizer"):
             return mod.build_tokenizer(args)
     raise RuntimeError("no tokenizer builder found in this megatron version")
+
+
+@contextlib.contextmanager
+def rotary_on_host() -> Iterator[None]:
+    """Inside the block, megatron-core's rotary embedding stays on the CPU.
+
+    ``RotaryEmbedding.get_emb`` moves its inverse frequencies to
+    ``torch.cuda.current_device()`` at the first forward, whatever the model's device,
+    so a RoPE model cannot run forward on a machine without CUDA. Export checks its
+    output against the checkpoint's model, and a GPU run's checkpoint is often exported
+    on a CPU host: there "the current device" is the CPU. On a CUDA machine the block
+    changes nothing.
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        yield
+        return
+    real = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = real  # type: ignore[assignment]
