@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 EXTRAS ?= dev,triton,megatron,ray,hf,eval
 
-.PHONY: setup setup-megatron test test-slow lint demo demo-ops demo-1m demo-recall sample bench bench-sp bench-recall bench-lm bench-precision gpu-aot gpu-check gpu-quality clean
+.PHONY: setup setup-megatron test test-slow lint demo demo-ops demo-1m demo-recall demo-python sample bench bench-sp bench-recall bench-lm bench-precision gpu-aot gpu-check gpu-quality clean
 
 $(STAMP): pyproject.toml requirements-cpu.txt
 	python3 -m venv $(VENV)
@@ -64,6 +64,19 @@ demo: $(STAMP)
 	    --micro-batch-size 4 --train-iters 60 --lr 3e-3 --lr-warmup-iters 5 \
 	    --log-interval 5 --log-jsonl runs/demo/metrics.jsonl --save runs/demo/ckpt \
 	    --load runs/demo/ckpt --exit-signal-handler
+
+# A first sample that reads like Python: a small HLA2 GPT trained on the standard
+# library's sources (about 10 min on 2 cores, DP 2), then 300 bytes sampled from it. It
+# resumes like make demo (rm -rf runs/python starts it over); the sample's header names
+# the iteration and the validation loss.
+demo-python: $(STAMP)
+	$(PY) -m hla_sp.launch.cli train --nproc-per-node 2 --num-layers 2 --hidden-size 128 \
+	    --num-attention-heads 4 --seq-length 256 --micro-batch-size 8 --train-iters 1000 \
+	    --lr 2e-3 --lr-warmup-iters 50 --position-embedding-type none --eval-interval 200 \
+	    --eval-iters 4 --log-interval 50 --log-jsonl runs/python/metrics.jsonl \
+	    --save runs/python/ckpt --load runs/python/ckpt --save-interval 200 --exit-signal-handler
+	$(PY) -m hla_sp.launch.cli generate --load runs/python/ckpt --prompt "def " \
+	    --max-new-tokens 300 --temperature 0.7 --top-k 40
 
 # The operators alone: chunked path against the serial recurrence, and a speed table.
 demo-ops: $(STAMP)
