@@ -124,12 +124,12 @@ def load_config(load: str, step: int | None = None, decodable: bool = True
 
 def check_decodable(cfg: TrainConfig) -> None:
     """Refuse, in one line, the models whose decode this command does not implement."""
-    if cfg.model.attention == "softmax" or cfg.model.hla_layer_pattern is not None:
-        raise GenerateError(
-            f"checkpoint: expected HLA attention in every layer (its state is what generate "
-            f"decodes with), got attention {cfg.model.attention!r}"
-            + (f" with layer pattern {cfg.model.hla_layer_pattern!r}"
-               if cfg.model.hla_layer_pattern is not None else ""))
+    from hla_sp.launch.model import softmax_layers
+
+    softmax = softmax_layers(cfg)
+    if softmax is not None:
+        raise GenerateError(f"checkpoint: expected HLA attention in every layer (its state is "
+                            f"what generate decodes with), got {softmax}")
     if cfg.model.position_embedding_type == "rope":
         raise GenerateError("checkpoint: position_embedding_type 'rope' is not decoded (a "
                             "one-token forward would rotate at position 0); expected "

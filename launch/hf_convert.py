@@ -37,15 +37,13 @@ def hf_config_from_train(cfg: TrainConfig, vocab_size: int, eod: int) -> HLASPCo
         eod: the document-end token (bos, eos and pad of the HF model).
     """
     from hla_sp.launch.generate import decode_config
-    from hla_sp.launch.model import model_dtype, transformer_config
+    from hla_sp.launch.model import model_dtype, softmax_layers, transformer_config
     from hla_sp.megatron_patch import hla_spec_kwargs
 
-    if cfg.model.attention == "softmax" or cfg.model.hla_layer_pattern is not None:
-        raise ConvertError(
-            f"attention: expected HLA in every layer (the HF model has no softmax layers), "
-            f"got --attention {cfg.model.attention}"
-            + (f" with --hla-layer-pattern {cfg.model.hla_layer_pattern!r}"
-               if cfg.model.hla_layer_pattern is not None else ""))
+    softmax = softmax_layers(cfg)
+    if softmax is not None:
+        raise ConvertError(f"attention: expected HLA in every layer (the HF model has no "
+                           f"softmax layers), got {softmax}")
     tc = transformer_config(decode_config(cfg))
     unsupported = {
         "normalization": (tc.normalization, "LayerNorm"),

@@ -47,6 +47,15 @@ def layer_spec(cfg: TrainConfig) -> Any:
     return hybrid_block_spec(pattern, spec, get_gpt_layer_local_spec())
 
 
+def softmax_layers(cfg: TrainConfig) -> str | None:
+    """The flags that put softmax attention in some layer (``--attention softmax``, or a
+    ``--hla-layer-pattern``), as a phrase for an error; None when every layer is HLA."""
+    m = cfg.model
+    if m.hla_layer_pattern is not None:
+        return f"--attention {m.attention} with --hla-layer-pattern {m.hla_layer_pattern!r}"
+    return "--attention softmax" if m.attention == "softmax" else None
+
+
 def model_dtype(cfg: TrainConfig) -> torch.dtype:
     """The dtype of the model's weights and activations (--bf16, --fp16, else fp32)."""
     prec = cfg.precision

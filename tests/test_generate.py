@@ -162,7 +162,7 @@ def test_main_prints_prompt_and_continuation(ckpt, capsys):
 @pytest.mark.parametrize("case,match", [
     ("missing", "no such directory"),
     ("empty", "no complete checkpoint there"),
-    ("softmax", "expected HLA attention in every layer .*got attention 'softmax'"),
+    ("softmax", "expected HLA attention in every layer .*got --attention softmax"),
     ("wider", r"position_embeddings.weight is \(64, 32\) in the checkpoint, this model's is "
               r"\(64, 48\)"),
     ("temperature", "--temperature: expected >= 0"),
