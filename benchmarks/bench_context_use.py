@@ -118,6 +118,27 @@ def summary(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def markdown(record: dict[str, Any]) -> str:
+    """The loss by bucket and the passkey digits per mixer (every seed) as markdown."""
+    rows = record["results"]
+    edges = [(b["lo"], b["hi"]) for b in rows[0]["ppl"]]
+    lengths = sorted({p["length"] for p in rows[0]["passkey"]})
+
+    def k(n: int) -> str:
+        return f"{n // 1024}k" if n >= 1024 else str(n)
+
+    out = ["| mixer | seed | " + " | ".join(f"{k(lo)}-{k(hi)}" for lo, hi in edges)
+           + " | " + " | ".join(f"digits at {k(n)}" for n in lengths) + " |",
+           "|---|---|" + "---|" * (len(edges) + len(lengths))]
+    for r in sorted(rows, key=lambda r: (r["mixer"], r["seed"])):
+        dig = [statistics.fmean(p["digit_accuracy"] for p in r["passkey"] if p["length"] == n)
+               for n in lengths]
+        out.append(f"| {r['mixer']} | {r['seed']} | "
+                   + " | ".join(f"{b['bits_per_byte']:.3f}" for b in r["ppl"]) + " | "
+                   + " | ".join(f"{d:.2f}" for d in dig) + " |")
+    return "\n".join(out)
+
+
 def plot(results: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -170,7 +191,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=Path("runs/bench_context_use"))
     ap.add_argument("--name", default="context_use")
+    ap.add_argument("--table", action="store_true",
+                    help="print <out>/<name>.json as markdown; score nothing")
     a = ap.parse_args(argv)
+    if a.table:
+        print(markdown(json.loads((a.out / f"{a.name}.json").read_text())))
+        return
     paths = sorted(a.models.glob("*.pt"))
     if not paths:
         raise SystemExit(f"--models {a.models}: no .pt files (bench_lm.py --save-models DIR)")

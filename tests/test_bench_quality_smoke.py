@@ -224,3 +224,8 @@ def test_context_use_scores_the_kept_models(tmp_path: Path) -> None:
         (n, d) for n in (128, 256) for d in (0.0, 0.5, 1.0)}
     assert all(0 <= p["digit_accuracy"] <= 1 for p in r["passkey"])
     assert (tmp_path / "context_use.png").stat().st_size > 0
+    table = subprocess.run([sys.executable, str(BENCH / "bench_context_use.py"), "--table",
+                            "--out", str(tmp_path)], capture_output=True, text=True,
+                           timeout=120, check=True).stdout.splitlines()
+    assert table[2].startswith("| linear | 0 | ") and len(table) == 3, table
+    assert f"{r['ppl'][-1]['bits_per_byte']:.3f}" in table[2]
