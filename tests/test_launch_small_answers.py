@@ -193,7 +193,7 @@ def test_generate_gives_the_right_limit_for_a_long_prompt() -> None:
     model = types.SimpleNamespace(embedding=types.SimpleNamespace(position_embeddings=table))
     with pytest.raises(gen.GenerateError) as e:
         gen.check_positions(model, 70, 5)  # type: ignore[arg-type]
-    assert str(e.value) == ("--prompt: expected at most 64 tokens (bytes; the model's learned "
+    assert str(e.value) == ("--prompt: expected at most 64 tokens (the model's learned "
                             "positions, its --seq-length), got 70; shorten it by 6")
     with pytest.raises(gen.GenerateError, match=r"ask for at most 5$"):
         gen.check_positions(model, 60, 8)  # type: ignore[arg-type]
