@@ -66,8 +66,8 @@ demo: $(STAMP)
 	    --load runs/demo/ckpt --exit-signal-handler
 
 # A first sample that reads like Python: a small HLA2 GPT trained on the standard
-# library's sources (1,000 steps of 8k bytes, DP 2: 17 min measured on 2 cores shared
-# with other jobs, 0.8 s a step), then 300 bytes sampled from it. It
+# library's sources (1,000 steps of 4k bytes, DP 2: 8 min on 2 idle cores), then 300
+# bytes sampled from it. It
 # resumes like make demo (rm -rf runs/python starts it over); the sample's header names
 # the iteration and the validation loss.
 demo-python: $(STAMP)
