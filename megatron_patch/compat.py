@@ -17,6 +17,8 @@
   ========  ==============================================================  =========
 * :func:`tokenizer`: Megatron's tokenizer, from ``get_tokenizer`` or whichever module
   of this release builds it.
+* :func:`prebuilt_dataset_helpers`: a pip-installed megatron-core ships its dataset
+  helpers compiled but without the Makefile that Megatron's start-up ``make`` needs.
 * :func:`rotary_on_host`: a forward of a RoPE model on the CPU (every release moves the
   rotary frequencies to ``torch.cuda.current_device()`` on the first forward).
 """
@@ -180,3 +182,21 @@ def rotary_on_host() -> Iterator[None]:
         yield
     finally:
         torch.cuda.current_device = real  # type: ignore[assignment]
+
+
+def prebuilt_dataset_helpers() -> bool:
+    """Skip Megatron's start-up compile of the dataset helpers when they are already built.
+
+    ``megatron.training`` runs ``make`` in ``megatron/core/datasets`` on rank 0 and exits
+    if it fails. The megatron-core wheel ships ``helpers_cpp`` compiled and no Makefile,
+    so a pip-installed Megatron stops there (seen on an H200 with 0.19.2). When the
+    compiled module imports, the compile is a no-op; otherwise (a source checkout)
+    Megatron compiles as usual. Returns whether the compile was skipped.
+    """
+    try:
+        importlib.import_module("megatron.core.datasets.helpers_cpp")
+    except ImportError:
+        return False
+    utils = importlib.import_module("megatron.core.datasets.utils")
+    utils.compile_helpers = lambda: None
+    return True

@@ -8,6 +8,7 @@ tests/test_megatron_pretrain.py.
 from __future__ import annotations
 
 import argparse
+import sys
 import warnings
 from typing import Any
 
@@ -52,6 +53,21 @@ class _ArgUtils018:
 
 class _ArgUtils019(_ArgUtils018):
     gpt_config_from_args = None
+
+
+def test_prebuilt_dataset_helpers_skip_the_compile_only_when_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A wheel ships helpers_cpp built and no Makefile: Megatron's start-up make would exit.
+    from megatron.core.datasets import utils
+
+    monkeypatch.setattr(utils, "compile_helpers", utils.compile_helpers)
+    assert compat.prebuilt_dataset_helpers() is True
+    assert utils.compile_helpers() is None  # no make, no exit
+    monkeypatch.setitem(sys.modules, "megatron.core.datasets.helpers_cpp", None)
+    real = utils.compile_helpers = object()
+    assert compat.prebuilt_dataset_helpers() is False
+    assert utils.compile_helpers is real  # a source checkout still compiles
 
 
 def test_pretrain_api_is_routed_by_what_the_version_offers():
