@@ -20,6 +20,8 @@ QUALITY_S=${QUALITY_S:-200}
 MCORE_DIR=${MCORE_DIR:-.mcore/0.19.2}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHON=python3 OUT
+# megatron-core for the tests that build a Megatron model, and for gpu_megatron.sh.
+export PYTHONPATH="$PWD/$MCORE_DIR${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET HLA_SP_BACKEND
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$OUT/lease.log"; }
@@ -56,7 +58,10 @@ timeout 110 python3 benchmarks/bench_gpu.py --seqlens "${SEQLENS:-8192,32768}" \
     --out "$OUT/bench_gpu.json" >"$OUT/bench_gpu.log" 2>&1
 stamp "bench_gpu: exit $?"
 
-export PYTHONPATH="$PWD/$MCORE_DIR${PYTHONPATH:+:$PYTHONPATH}"
+timeout 60 python3 benchmarks/profile_gpu.py --T 32768 --out "$OUT/profile_gpu.json" \
+    >"$OUT/profile_gpu.log" 2>&1
+stamp "profile_gpu: exit $?"
+
 ITERS=${ITERS:-10} GBS=${GBS:-4} LOG=/tmp/megatron.log \
     timeout 150 bash benchmarks/gpu_megatron.sh >"$OUT/megatron.log" 2>&1
 stamp "gpu_megatron: exit $?"

@@ -56,7 +56,10 @@ import torch
 print("gpu:", torch.cuda.get_device_name(0))
 EOF
 
-export CUDA_DEVICE_MAX_CONNECTIONS=1 NVTE_FLASH_ATTN=0 NVTE_FUSED_ATTN=0
+# Megatron >= 0.19 asserts that NVTE_* agree with --attention-backend (default auto), and
+# --transformer-impl local uses no TE attention: leave them unset.
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+unset NVTE_FLASH_ATTN NVTE_FUSED_ATTN NVTE_UNFUSED_ATTN
 start=$(date +%s)
 set +e
 torchrun --standalone --nproc-per-node 1 -m hla_sp.megatron_patch.pretrain_gpt \
