@@ -95,19 +95,35 @@ def cuts(resets: Tensor | None, g: Tensor | None, like: Tensor) -> Tensor | None
     return c
 
 
+def _time_last(x: Tensor) -> Tensor:
+    """[B, T, H] -> [B, H, T], contiguous, for the scans over time below.
+
+    A scan along a middle dimension runs, on CUDA, one thread per (B, H) column serially
+    over T; along the last dimension it is a parallel scan. Measured on an H200 at
+    [1, 32k, 16]: 3-6 ms a scan, 55% of linear_attention's forward and backward."""
+    return x.transpose(1, 2).contiguous()
+
+
+def _count(x: Tensor) -> Tensor:
+    """[B, H, T] bool -> int32 running count along T (T < 2^31; half of int64's bytes)."""
+    return x.cumsum(-1, dtype=torch.int32)
+
+
 def poisoned_prefix(bad: Tensor, cut: Tensor | None, init: Tensor | None = None) -> Tensor:
     """[B, T, H] bool: True at t when a bad token lies at or before t in t's segment, or
     t's segment is the first one and ``init`` [B, H] (a bad carried-in state) is True."""
-    cb = bad.cumsum(1)
+    bad_t = _time_last(bad)
+    cb = _count(bad_t)
     if cut is None:
         out = cb > 0
-        return out if init is None else out | init[:, None]
+        return (out if init is None else out | init[..., None]).transpose(1, 2)
+    cut_t = _time_last(cut)
     # the count before each segment's start, carried over the segment (counts only grow)
-    base = torch.where(cut, cb - bad.long(), 0).cummax(1).values
+    base = torch.where(cut_t, cb - bad_t.int(), 0).cummax(-1).values
     out = cb > base
     if init is not None:
-        out |= init[:, None] & (cut.cumsum(1) == 0)
-    return out
+        out |= init[..., None] & (_count(cut_t) == 0)
+    return out.transpose(1, 2)
 
 
 def poisoned_segments(
@@ -122,18 +138,19 @@ def poisoned_segments(
                 out = out | extra[:, None]
         return out
     T = bad.shape[1]
-    cb = bad.cumsum(1)
-    base = torch.where(cut, cb - bad.long(), 0).cummax(1).values
+    bad_t, cut_t = _time_last(bad), _time_last(cut)
+    cb = _count(bad_t)
+    base = torch.where(cut_t, cb - bad_t.int(), 0).cummax(-1).values
     # the count at each segment's last token, carried back over the segment
-    ends = torch.cat([cut[:, 1:], torch.ones_like(cut[:, :1])], dim=1)
-    top = torch.where(ends, cb, T + 1).flip(1).cummin(1).values.flip(1)
+    ends = torch.cat([cut_t[..., 1:], torch.ones_like(cut_t[..., :1])], dim=-1)
+    top = torch.where(ends, cb, T + 1).flip(-1).cummin(-1).values.flip(-1)
     out = top > base
     if first is not None:
-        out |= first[:, None] & (cut.cumsum(1) == 0)
+        out |= first[..., None] & (_count(cut_t) == 0)
     if last is not None:
-        after = cut.flip(1).cumsum(1).flip(1) - cut.long()  # cuts strictly after t
-        out |= last[:, None] & (after == 0)
-    return out
+        after = _count(cut_t.flip(-1)).flip(-1) - cut_t.int()  # cuts strictly after t
+        out |= last[..., None] & (after == 0)
+    return out.transpose(1, 2)
 
 
 def poison_outputs(
