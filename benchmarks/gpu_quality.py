@@ -6,7 +6,8 @@ recall capacity needs a longer schedule over many seeds; on one GPU the runs go 
 by side, each in its own process (the models are small: one run alone leaves the GPU
 mostly idle, so the runs share it).
 
-    python benchmarks/gpu_quality.py --plan      # the sizing below, from the FLOPs
+    python benchmarks/gpu_quality.py --plan      # the sizing below, from the FLOPs,
+                                                 # beside the pace one H200 measured
     python benchmarks/gpu_quality.py             # the study (CUDA), about 8 minutes
     python benchmarks/gpu_quality.py --device cpu --toy    # the same code at a toy size
 
@@ -50,6 +51,8 @@ STEPS = 10_000  # 3.3x the CPU schedule, where 2-3 of 10 seeds left the plateau
 LR = 3e-3
 CHUNK = 64
 ASSUMED_TFLOPS = 20.0
+# The first lease's study (32 runs at once on one H200): where the FLOP model meets a GPU.
+MEASURED = ROOT / "benchmarks" / "results" / "gpu" / "recall_gpu_h200.json"
 
 
 def dense_flops_per_step(mixer: str, T: int, d: int, batch: int) -> float:
@@ -85,6 +88,23 @@ def mixer_flops_per_step(mixer: str, T: int, d: int, batch: int) -> float:
     return float(BR.LAYERS * 3 * fwd)
 
 
+def measured_pace(path: Path, steps: int) -> dict[str, Any] | None:
+    """Steps per second per run, by mixer, in a finished study's JSON (runs cut by the
+    budget count up to ``cut_at``), and the minutes ``steps`` would take at that pace
+    with as many runs at once; None when there is no such file."""
+    if not path.exists():
+        return None
+    results = json.loads(path.read_text())["results"]
+    out: dict[str, Any] = {"source": str(path.relative_to(ROOT)) if path.is_relative_to(ROOT)
+                           else str(path), "runs_at_once": len(results)}
+    for m in sorted({r["mixer"] for r in results}):
+        rates = [(r.get("cut_at") or r["steps"]) / r["seconds"] for r in results
+                 if r["mixer"] == m]
+        pace = sum(rates) / len(rates)
+        out[m] = {"steps_per_s_per_run": pace, "minutes_for_schedule": steps / pace / 60}
+    return out
+
+
 def plan(T: int = SIZE[0], d: int = D_MODEL, seeds: int = SEEDS, steps: int = STEPS,
          tflops: float = ASSUMED_TFLOPS) -> dict[str, Any]:
     """FLOPs per step of each mixer, and the study's total and time at ``tflops``."""
@@ -98,7 +118,8 @@ def plan(T: int = SIZE[0], d: int = D_MODEL, seeds: int = SEEDS, steps: int = ST
     total = sum(r["gflop_per_step"] for r in rows.values()) * 1e9 * seeds * steps
     return {"T": T, "d_model": d, "batch": batch, "seeds": seeds, "steps": steps,
             "per_mixer": rows, "total_pflop": total / 1e15, "assumed_tflops": tflops,
-            "minutes_at_assumed_rate": total / (tflops * 1e12) / 60}
+            "minutes_at_assumed_rate": total / (tflops * 1e12) / 60,
+            "measured": measured_pace(MEASURED, steps)}
 
 
 def main(argv: list[str] | None = None) -> int:

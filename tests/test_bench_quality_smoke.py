@@ -196,6 +196,25 @@ def test_gpu_quality_study_runs_at_a_toy_size_on_cpu(tmp_path: Path) -> None:
     assert p["total_pflop"] > 0
 
 
+def test_gpu_quality_plan_reads_the_measured_pace(tmp_path: Path) -> None:
+    """The plan's measured block: steps a second per run up to where the budget cut it,
+    and the minutes the whole schedule would take at that pace."""
+    sys.path.insert(0, str(BENCH))
+    import gpu_quality
+
+    runs = [{"mixer": "hla2", "steps": 1000, "cut_at": 100, "seconds": 50.0},
+            {"mixer": "hla2", "steps": 1000, "cut_at": 300, "seconds": 50.0},
+            {"mixer": "linear", "steps": 1000, "seconds": 100.0}]  # finished: all steps
+    path = tmp_path / "study.json"
+    path.write_text(json.dumps({"results": runs}))
+    pace = gpu_quality.measured_pace(path, steps=1200)
+    assert pace["runs_at_once"] == 3
+    assert pace["hla2"]["steps_per_s_per_run"] == pytest.approx(4.0)
+    assert pace["hla2"]["minutes_for_schedule"] == pytest.approx(5.0)
+    assert pace["linear"]["steps_per_s_per_run"] == pytest.approx(10.0)
+    assert gpu_quality.measured_pace(tmp_path / "none.json", steps=10) is None
+
+
 def test_recall_budget_cuts_runs_and_says_where(tmp_path: Path) -> None:
     """A budget already spent: no run takes a step, each records cut_at 0, and the
     grid still writes its figures (nothing is silently dropped)."""
