@@ -17,6 +17,10 @@ the collectives and the host syncs (``Tensor.item/tolist/cpu``) per layer call.
 
     python benchmarks/bench_layer_overhead.py                 # -> runs/bench/
     python benchmarks/bench_layer_overhead.py --out benchmarks/results
+    torchrun --nproc-per-node 2 benchmarks/bench_layer_overhead.py --device cuda   # GPUs
+
+Under torchrun the ranks are torchrun's (P = its world size; ``--ranks`` is ignored),
+with NCCL and one GPU per rank for ``--device cuda``, gloo for the CPU.
 
 With more ranks than cores the absolute times grow; the ratio is what is compared.
 """
@@ -24,6 +28,7 @@ With more ranks than cores the absolute times grow; the ratio is what is compare
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -100,14 +105,21 @@ def step(model: torch.nn.ModuleList, x: torch.Tensor, sp: SequenceParallel | Non
 
 
 def overhead_task(rank: int, P: int, T_local: int, layers: int, d: int, heads: int,
-                  reps: int) -> dict[str, Any]:
+                  reps: int, device: str = "cpu") -> dict[str, Any]:
     """Per rep: this rank's sharded and single-rank step times; the steady-state counts."""
-    torch.set_num_threads(1)
-    model = stack(layers, d, heads)
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        torch.set_num_threads(1)
+
+    def sync() -> None:  # a GPU step ends when its kernels do, not when they are queued
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    model = stack(layers, d, heads).to(dev)
     gen = torch.Generator().manual_seed(1)
     x_global = torch.randn(1, T_local * P, d, generator=gen)
-    x_shard = shard(x_global, rank, P, "zigzag")
-    x_local = x_global[:, :T_local]
+    x_shard = shard(x_global, rank, P, "zigzag").to(dev)
+    x_local = x_global[:, :T_local].to(dev)
     sp = SequenceParallel(layout="zigzag")
     paths = (("sharded", x_shard, sp, False), ("planned", x_shard, sp, True),
              ("single", x_local, None, False))
@@ -122,11 +134,61 @@ def overhead_task(rank: int, P: int, T_local: int, layers: int, d: int, heads: i
     for _ in range(reps):
         for name, x, s, planned in paths:
             model.zero_grad(set_to_none=True)
+            sync()
             dist.barrier()
             t0 = time.perf_counter()
             step(model, x, s, planned)
+            sync()
             times[name].append(time.perf_counter() - t0)
     return {"times": times, "counts": {n: dict(c) for n, c in counts.items()}}
+
+
+def summarize(per_rank: list[dict[str, Any]], P: int, T_local: int, layers: int,
+              reps: int) -> dict[str, Any]:
+    """One (P, T/P) row from every rank's times: a step lasts as long as the slowest rank."""
+    step_s = {n: [max(r["times"][n][i] for r in per_rank) for i in range(reps)]
+              for n in per_rank[0]["times"]}
+    best = {n: min(ts) for n, ts in step_s.items()}
+    med = {n: statistics.median(ts) for n, ts in step_s.items()}
+    run = {"P": P, "T_local": T_local, "min_s": best, "median_s": med,
+           "ratio_min": best["sharded"] / best["single"],
+           "ratio_median": med["sharded"] / med["single"],
+           "planned_ratio_min": best["planned"] / best["single"],
+           "planned_ratio_median": med["planned"] / med["single"],
+           "fixed_ms_per_layer": (best["sharded"] - best["single"]) / layers * 1e3,
+           "planned_fixed_ms_per_layer": (best["planned"] - best["single"]) / layers * 1e3,
+           "counts_per_layer_call": {
+               n: {k: v / layers for k, v in sorted(c.items())}
+               for n, c in per_rank[0]["counts"].items()}}
+    print(f"P={P} T/P={T_local}: single {best['single'] * 1e3:.1f} ms; sharded "
+          f"x{run['ratio_min']:.3f} (median x{run['ratio_median']:.3f}, "
+          f"{run['fixed_ms_per_layer']:.2f} ms per layer); with a batch plan "
+          f"x{run['planned_ratio_min']:.3f} (median x{run['planned_ratio_median']:.3f}, "
+          f"{run['planned_fixed_ms_per_layer']:.2f} ms per layer); per layer call "
+          f"{run['counts_per_layer_call']}", flush=True)
+    return run
+
+
+def under_torchrun(args: argparse.Namespace, t_locals: list[int]) -> list[dict[str, Any]] | None:
+    """The rows measured on torchrun's ranks (rank 0 gets them; the others None)."""
+    rank, P = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = args.device
+    if device == "cuda":
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    rows = []
+    try:
+        for T_local in t_locals:
+            mine = overhead_task(rank, P, T_local, args.layers, args.d_model, args.heads,
+                                 args.reps, device)
+            gathered: list[Any] = [None] * P if rank == 0 else []
+            dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
+            if rank == 0:
+                rows.append(summarize(gathered, P, T_local, args.layers, args.reps))
+    finally:
+        dist.destroy_process_group()
+    return rows if rank == 0 else None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -139,41 +201,31 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--name", default="layer_overhead", help="stem of the JSON and PNG")
     ap.add_argument("--out", type=Path, help="output folder (read by bench_sp_common)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="cuda: one GPU per rank, under torchrun")
     args = ap.parse_args(argv)
     data: dict[str, Any] = {
         "config": {"operator": "hla2", "layout": "zigzag", "layers": args.layers,
                    "d_model": args.d_model, "heads": args.heads, "reps": args.reps,
-                   "threads_per_rank": 1,
+                   "threads_per_rank": 1, "device": args.device,
                    "stat": "per rep the slowest rank; min and median over reps"},
         "runs": []}
-    for P in (int(p) for p in args.ranks.split(",")):
-        for T_local in (int(t) for t in args.t_local.split(",")):
-            with World(P) as w:
-                per_rank = w.run(overhead_task, T_local, args.layers, args.d_model,
-                                 args.heads, args.reps, timeout=1800)
-            # A step lasts as long as the group's slowest rank.
-            step_s = {n: [max(r["times"][n][i] for r in per_rank) for i in range(args.reps)]
-                      for n in per_rank[0]["times"]}
-            best = {n: min(ts) for n, ts in step_s.items()}
-            med = {n: statistics.median(ts) for n, ts in step_s.items()}
-            run = {"P": P, "T_local": T_local, "min_s": best, "median_s": med,
-                   "ratio_min": best["sharded"] / best["single"],
-                   "ratio_median": med["sharded"] / med["single"],
-                   "planned_ratio_min": best["planned"] / best["single"],
-                   "planned_ratio_median": med["planned"] / med["single"],
-                   "fixed_ms_per_layer": (best["sharded"] - best["single"]) / args.layers * 1e3,
-                   "planned_fixed_ms_per_layer":
-                       (best["planned"] - best["single"]) / args.layers * 1e3,
-                   "counts_per_layer_call": {
-                       n: {k: v / args.layers for k, v in sorted(c.items())}
-                       for n, c in per_rank[0]["counts"].items()}}
-            data["runs"].append(run)
-            print(f"P={P} T/P={T_local}: single {best['single'] * 1e3:.1f} ms; sharded "
-                  f"x{run['ratio_min']:.3f} (median x{run['ratio_median']:.3f}, "
-                  f"{run['fixed_ms_per_layer']:.2f} ms per layer); with a batch plan "
-                  f"x{run['planned_ratio_min']:.3f} (median x{run['planned_ratio_median']:.3f}, "
-                  f"{run['planned_fixed_ms_per_layer']:.2f} ms per layer); per layer call "
-                  f"{run['counts_per_layer_call']}", flush=True)
+    t_locals = [int(t) for t in args.t_local.split(",")]
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        rows = under_torchrun(args, t_locals)
+        if rows is None:
+            return
+        data["runs"] = rows
+    else:
+        if args.device != "cpu":
+            ap.error(f"--device {args.device}: expected cpu without torchrun (a pool of gloo "
+                     "ranks on this host); launch with torchrun for GPUs")
+        for P in (int(p) for p in args.ranks.split(",")):
+            for T_local in t_locals:
+                with World(P) as w:
+                    per_rank = w.run(overhead_task, T_local, args.layers, args.d_model,
+                                     args.heads, args.reps, timeout=1800)
+                data["runs"].append(summarize(per_rank, P, T_local, args.layers, args.reps))
     path = save(args.name, data)
     print(f"wrote {path}")
     plot(data, RESULTS / f"{args.name}.png")
@@ -197,7 +249,8 @@ def plot(data: dict[str, Any], path: Path) -> None:
     c = data["config"]
     ax.set(xscale="log", xlabel="T / P (tokens per rank)",
            ylabel="sharded step / single-rank step",
-           title=f"{c['layers']} hla2 layers, d={c['d_model']}, fwd+bwd (CPU, gloo)")
+           title=f"{c['layers']} hla2 layers, d={c['d_model']}, fwd+bwd "
+                 f"({'GPU, NCCL' if c.get('device') == 'cuda' else 'CPU, gloo'})")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
