@@ -35,14 +35,9 @@ from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
+from hla_sp.megatron_patch import compat
 from hla_sp.megatron_patch.args import check_hla_args, custom_imports, hla_enabled, import_custom
-from hla_sp.megatron_patch.compat import (
-    cp_split,
-    prebuilt_dataset_helpers,
-    pretrain_api,
-    tokenizer,
-    tp_broadcast_batch,
-)
+from hla_sp.megatron_patch.compat import cp_split, pretrain_api, tokenizer, tp_broadcast_batch
 from hla_sp.megatron_patch.hybrid import assert_hybrid_model, layer_pattern
 
 # Re-exported: the route and refusal helpers lived here before routing.py.
@@ -278,7 +273,7 @@ def run(ns: argparse.Namespace, user_spec: Any = None) -> None:
     datasets = partial(MegatronProviders.datasets_provider, providers)
     datasets.is_distributed = True  # type: ignore[attr-defined]  # as Megatron's script says
     route = pretrain_api(pretrain)
-    prebuilt_dataset_helpers()
+    compat.prebuilt_dataset_helpers()
     print(f"> megatron.training.pretrain: the {route!r} API", flush=True)
     if route == "legacy":  # <= 0.17: pretrain parses the flags itself
         pretrain(datasets, providers.model_provider, ModelType.encoder_or_decoder,
