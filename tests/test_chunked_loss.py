@@ -185,3 +185,27 @@ def test_planner_counts_the_chunked_logits():
     assert plain.activation_bytes - auto.activation_bytes > 25 * GIB
     small = estimate(parse_args([*cluster, "--loss-chunk-tokens", "65536"]), 16)
     assert small.activation_bytes == plain.activation_bytes  # one chunk: all logits
+
+
+def test_bf16_matches_the_plain_path_to_bf16_rounding():
+    """bf16 weights and hidden states, as under --bf16: the logits' matmul is the plain
+    path's (bf16, then fp32), so the losses agree to fp32 summation order; the weight's
+    gradient is summed over chunks in fp32 and rounded once, the plain path's in one bf16
+    matmul, so they differ by bf16 rounding (2^-8 relative, a few of them)."""
+    from hla_sp.launch.chunked_loss import chunked_cross_entropy
+
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(S, B, H, generator=g).bfloat16().requires_grad_()
+    weight = torch.randn(PADDED, H, generator=g).bfloat16().requires_grad_()
+    labels = torch.randint(0, VOCAB, (B, S), generator=g)
+    dloss = torch.rand(B, S, generator=g)
+    loss = chunked_cross_entropy(hidden, weight, labels, CHUNK, VOCAB)
+    dh, dw = torch.autograd.grad((loss * dloss).sum(), (hidden, weight))
+    logits = (hidden @ weight.t()).float()[..., :VOCAB]  # [s, b, V]
+    plain = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, VOCAB), labels.t().reshape(-1), reduction="none").view(S, B).t()
+    rh, rw = torch.autograd.grad((plain * dloss).sum(), (hidden, weight))
+    assert loss.dtype == torch.float32 and dh.dtype == dw.dtype == torch.bfloat16
+    torch.testing.assert_close(loss, plain, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(dh.float(), rh.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(dw.float(), rw.float(), rtol=2e-2, atol=2e-2)
