@@ -148,12 +148,13 @@ def test_model_uses_it_only_with_labels(world):
     torch.testing.assert_close(o["loss"], plain.view(2, 8), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.timeout(600)
 def test_training_losses_equal_the_plain_path(tmp_path):
     from hla_sp.launch.local import run_local
 
     tiny = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
             "--seq-length", "64", "--train-iters", "4", "--lr", "3e-3", "--seed", "7",
-            "--micro-batch-size", "2"]
+            "--micro-batch-size", "2", "--eval-interval", "2", "--eval-iters", "1"]
     runs = [run_local([*tiny, "--loss-chunk-tokens", str(n)], 1, str(tmp_path / f"{n}.jsonl"),
                       timeout=300) for n in (0, 24)]  # 128 tokens: 5 chunks of 24, one of 8
     for r in runs:
@@ -164,6 +165,11 @@ def test_training_losses_equal_the_plain_path(tmp_path):
     # gradient accumulated over chunks), ~1e-7 relative per step, grown by four steps
     for a, b in zip(plain, chunked):
         assert math.isclose(a, b, rel_tol=1e-5), (plain, chunked)
+    # validation (no gradient) goes through the chunked loss too
+    val = [[r["val_loss"] for r in run.records if "val_loss" in r] for run in runs]
+    assert len(val[0]) == len(val[1]) == 2, val
+    for a, b in zip(*val):
+        assert math.isclose(a, b, rel_tol=1e-5), val
 
 
 def test_planner_counts_the_chunked_logits():
