@@ -17,7 +17,8 @@ the CPU measurements of ``benchmarks/bench_long_context.py`` and checked against
   set in backward (173 x hidden x ``e``/4; measured: 181 B per token per unit of width
   for 2 layers at full recompute, less their saved inputs) and the logits' (12 bytes per
   vocabulary entry on the TP rank: fp32 logits, softmax and gradient). ``e`` is the
-  bytes of one element: 4 in fp32, 2 in bf16/fp16.
+  bytes of one element: 4 in fp32, 2 in bf16/fp16. With --loss-chunk-tokens C (on by
+  default above 4096 tokens per rank) the logits' term is C tokens', not every token's.
 
 It is an estimate: within a few percent of the measured CPU runs at full recompute,
 and an upper bound without recompute (Megatron's figure assumes nothing is fused).
@@ -114,6 +115,21 @@ def model_flops_per_token(cfg: TrainConfig, vocab: int | None = None) -> float:
     return 3.0 * fwd
 
 
+AUTO_LOSS_CHUNK = 4096  # tokens: large enough for efficient matmuls, logits a few GiB
+
+
+def loss_chunk_tokens(cfg: TrainConfig) -> int:
+    """Tokens per chunk of the output layer and loss as the run computes them
+    (--loss-chunk-tokens; auto: AUTO_LOSS_CHUNK when a rank holds more tokens than
+    that); 0: the plain path, all the rank's logits at once."""
+    n = cfg.model.loss_chunk_tokens
+    if n is not None:
+        return n
+    tokens = cfg.optimizer.micro_batch_size * cfg.model.seq_length \
+        // cfg.parallelism.context_parallel_size
+    return AUTO_LOSS_CHUNK if tokens > AUTO_LOSS_CHUNK else 0
+
+
 def estimate(cfg: TrainConfig, world_size: int, vocab: int | None = None) -> Estimate:
     """The parameter counts, memory per rank and FLOPs per step of ``cfg`` on
     ``world_size`` ranks (``vocab``: before padding; default --vocab-size or 257)."""
@@ -127,7 +143,10 @@ def estimate(cfg: TrainConfig, world_size: int, vocab: int | None = None) -> Est
     tokens = cfg.optimizer.micro_batch_size * cfg.model.seq_length // cp
     full = cfg.model.recompute_granularity == "full"
     saved = cfg.model.num_layers * (SAVED_ELEMENTS_FULL if full else SAVED_ELEMENTS) * e * h
-    working = max(WORKING_SET_PER_WIDTH * h * e // 4, LOGIT_BYTES * v // tp)
+    # the loss's logits and a layer's backward working set are never alive together
+    logit_tokens = min(loss_chunk_tokens(cfg) or tokens, tokens)
+    working = max(tokens * WORKING_SET_PER_WIDTH * h * e // 4,
+                  logit_tokens * LOGIT_BYTES * v // tp)
     dp = max(world_size // (tp * cp), 1)
     gbs = cfg.optimizer.global_batch_size or cfg.optimizer.micro_batch_size * dp
     return Estimate(
@@ -139,7 +158,7 @@ def estimate(cfg: TrainConfig, world_size: int, vocab: int | None = None) -> Est
         params_per_rank=per_rank,
         tokens_per_rank=tokens,
         state_bytes=per_rank * (20 if e == 2 else 16),
-        activation_bytes=tokens * (saved + working),
+        activation_bytes=tokens * saved + working,
         flops_per_step=model_flops_per_token(cfg, vocab) * gbs * cfg.model.seq_length,
     )
 

@@ -17,7 +17,9 @@ import functools
 from typing import Any
 
 import torch
+from hla_sp.launch.chunked_loss import use_chunked_loss
 from hla_sp.launch.config import TrainConfig
+from hla_sp.launch.estimate import loss_chunk_tokens
 from hla_sp.megatron_patch.vocab import mask_padded_vocab
 from torch.utils.checkpoint import checkpoint
 
@@ -157,6 +159,9 @@ def build_model(
     # the padded rows take no probability, so the loss does not depend on the padding
     # (--make-vocab-size-divisible-by x TP), nor on what resharding put in those rows
     mask_padded_vocab(model, vocab_size)
+    chunk = loss_chunk_tokens(cfg)
+    if chunk:  # with labels, the loss without all logits at once (--loss-chunk-tokens)
+        use_chunked_loss(model, chunk)
     granularity = cfg.model.recompute_granularity or (
         "selective" if cfg.model.recompute_activations else None)
     apply_recompute(model, granularity)

@@ -123,6 +123,11 @@ class ModelConfig(Section):
     """Recompute core attention in backward (Megatron's selective recompute)."""
     recompute_granularity: str | None = None
     """full (recompute every transformer layer; the least memory) or selective."""
+    loss_chunk_tokens: int | None = None
+    """Compute the output layer and cross-entropy this many tokens at a time, so the
+    fp32 logits of all the rank's tokens never exist at once (backward recomputes each
+    chunk's logits). 0: the plain path (all logits). Default (auto): 4096 when a rank
+    holds more tokens than that (micro-batch x seq-length / CP), else the plain path."""
 
     attention: str = field(default="hla2", metadata=HLA_FLAG)
     """The core attention: softmax, or an HLA operator (hla2, ahla, hla3, ccq, or one a
@@ -148,6 +153,7 @@ class ModelConfig(Section):
         "init_method_std": ("(", 0, None, "]"),
         "rotary_base": ("[", 1, None, "]"),
         "rotary_percent": ("(", 0, 1, "]"),
+        "loss_chunk_tokens": ("[", 0, None, "]"),
     }
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
         "position_embedding_type": ("learned_absolute", "rope", "none"),
