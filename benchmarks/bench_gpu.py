@@ -45,6 +45,9 @@ import torch
 
 import hla_sp
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_gpu_paths
+
 Tensor = torch.Tensor
 CHUNK = 64
 
@@ -355,6 +358,11 @@ def main() -> int:
             torch.cuda.empty_cache()
     result["timings"] = timings(device, seqlens, H, K, V)
     result["targets"] = targets(result["timings"])
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    os.environ["HLA_SP_BACKEND"] = "triton"
+    result["paths"] = bench_gpu_paths.run(device, args.dry_run)  # GQA and the chunked loss
+    os.environ.pop("HLA_SP_BACKEND", None)
     result["wall_s"] = time.time() - t0
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

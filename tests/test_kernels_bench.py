@@ -40,3 +40,16 @@ def test_bench_gpu_dry_run(tmp_path: Path) -> None:
     methods = {"la", "hla2", "hla2_fused", "hla2_fused_seq"}
     assert {r["method"] for r in result["timings"]} >= methods
     assert all(r["error"] is None and r["ms"] > 0 for r in result["timings"])
+    assert [r["path"] for r in result["paths"]["loss"]] == ["loss_plain", "loss_chunked"]
+    assert [r["G"] for r in result["paths"]["gqa"]] == [1, 2, 4]
+
+
+def test_bench_gpu_paths_run_on_cpu() -> None:
+    """The loss and GQA comparisons that gpu-check adds, at toy sizes on the CPU."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_gpu_paths
+
+    out = bench_gpu_paths.run("cpu", dry_run=True)
+    assert [r["chunk"] for r in out["loss"]] == [None, 16]
+    assert all(r["ms"] > 0 for rows in out.values() for r in rows)
+    assert out["gqa"][0]["ratio_to_G1"] == 1.0 and [r["Hkv"] for r in out["gqa"]] == [4, 2, 1]
