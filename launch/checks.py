@@ -21,6 +21,7 @@ from hla_sp.launch.resume_checks import (
     check_load,
     check_skip_train,
 )
+from hla_sp.launch.sections_perf import check_performance
 from hla_sp.launch.sections_run import split_weights
 from hla_sp.launch.tokenizer import check_data_tokenizer, check_run_tokenizer
 
@@ -58,6 +59,7 @@ def validate(cfg: TrainConfig, world_size: int, *, offline: bool = False) -> Non
     _check_batch(cfg, world_size)
     _check_device(cfg, offline)
     _check_attention(cfg)
+    check_performance(cfg, world_size)  # --compile, --profile
     if offline:
         return
     _check_data(cfg)

@@ -157,6 +157,10 @@ def build_model(
     # the padded rows take no probability, so the loss does not depend on the padding
     # (--make-vocab-size-divisible-by x TP), nor on what resharding put in those rows
     mask_padded_vocab(model, vocab_size)
+    if cfg.performance.compile:  # before recompute, which then wraps the compiled layers
+        from hla_sp.launch.compiling import compile_layers
+
+        compile_layers(model)
     granularity = cfg.model.recompute_granularity or (
         "selective" if cfg.model.recompute_activations else None)
     apply_recompute(model, granularity)

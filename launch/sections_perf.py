@@ -1,0 +1,100 @@
+"""The trainer's performance section: torch.compile of the layers and torch.profiler
+traces ([performance]). What needs other sections or the world size (the profiled steps
+within --train-iters, the ranks within the world, where traces go) is checked by
+:func:`check_performance`, which :func:`hla_sp.launch.checks.validate` calls."""
+
+from __future__ import annotations
+
+import os
+import typing
+from dataclasses import dataclass
+from typing import ClassVar
+
+from hla_sp.launch.errors import ConfigError
+from hla_sp.launch.sections import Range, Section
+
+if typing.TYPE_CHECKING:
+    from hla_sp.launch.config import TrainConfig
+
+__all__ = ["PerformanceConfig", "check_performance", "profile_dir"]
+
+
+@dataclass
+class PerformanceConfig(Section):
+    """Compiling the layers and profiling steps ([performance])."""
+
+    compile: bool = False
+    """torch.compile each transformer layer with fullgraph=True (inductor), inside the
+    full-recompute wrapper; a graph break stops the run at the first step, which pays
+    the compilation (tens of seconds to minutes on CPU). Refused with selective recompute
+    and with tensor parallelism, which do not trace whole."""
+    profile: bool = False
+    """Record torch.profiler traces (CPU, plus CUDA on GPU) of the steps from
+    --profile-step-start to --profile-step-end on each of --profile-ranks, one Chrome
+    trace per rank, <--tensorboard-dir, else --save>/profile/rank<R>.steps<N>-<M>.pt.trace.json
+    (chrome://tracing, Perfetto). Profiled steps run slower; the others pay nothing."""
+    profile_step_start: int = 10
+    """With --profile: the first profiled step, counted from 0 as Megatron does (step N
+    is the one that logs iteration N + 1); the profiler warms up on the step before."""
+    profile_step_end: int = 12
+    """With --profile: the step after the last profiled one (steps start to end - 1)."""
+    profile_ranks: list[int] | None = None
+    """With --profile: the global ranks that record a trace (default: rank 0)."""
+    profile_record_shapes: bool = False
+    """With --profile: record each op's input shapes (larger traces, more overhead)."""
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "profile_step_start": ("[", 0, None, "]"),
+        "profile_step_end": ("[", 1, None, "]"),
+    }
+
+    @property
+    def ranks(self) -> list[int]:
+        """The ranks that record a trace (--profile-ranks, default rank 0)."""
+        return list(self.profile_ranks) if self.profile_ranks is not None else [0]
+
+    def validate(self) -> None:
+        """Ranges; the profiled steps in order."""
+        super().validate()
+        if self.profile and self.profile_step_end <= self.profile_step_start:
+            raise ConfigError(
+                f"--profile-step-end: expected > --profile-step-start "
+                f"{self.profile_step_start}, got {self.profile_step_end}")
+
+
+def profile_dir(cfg: TrainConfig) -> str | None:
+    """Where --profile writes its traces: <--tensorboard-dir, else --save>/profile."""
+    base = cfg.logging.tensorboard_dir or cfg.checkpoint.save
+    return os.path.join(base, "profile") if base else None
+
+
+def check_performance(cfg: TrainConfig, world_size: int) -> None:
+    """--compile against the recompute flags; --profile's steps, ranks and directory."""
+    perf, model = cfg.performance, cfg.model
+    if perf.compile and (model.recompute_activations
+                         or model.recompute_granularity == "selective"):
+        raise ConfigError(
+            "--compile: expected --recompute-granularity full or no recompute, got selective "
+            "recompute (its checkpoint inside the layer breaks the fullgraph compile)")
+    tp = cfg.parallelism.tensor_model_parallel_size
+    if perf.compile and tp > 1:
+        raise ConfigError(
+            f"--compile: expected --tensor-model-parallel-size 1, got {tp} (megatron-core's "
+            f"tensor-parallel linear all-reduces asynchronously in backward, which "
+            f"torch.compile cannot trace whole)")
+    if not perf.profile:
+        return
+    iters = cfg.optimizer.train_iters
+    if perf.profile_step_end > iters:
+        raise ConfigError(
+            f"--profile-step-end: expected <= --train-iters {iters} (steps are counted from "
+            f"0), got {perf.profile_step_end}")
+    bad = [r for r in perf.ranks if not 0 <= r < world_size]
+    if bad:
+        raise ConfigError(
+            f"--profile-ranks: expected ranks in [0, {world_size - 1}] (world size "
+            f"{world_size}), got {perf.ranks}")
+    if profile_dir(cfg) is None:
+        raise ConfigError(
+            "--profile: expected --tensorboard-dir or --save to hold the traces "
+            "(<dir>/profile), got neither")
