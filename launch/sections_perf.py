@@ -25,9 +25,9 @@ class PerformanceConfig(Section):
 
     compile: bool = False
     """torch.compile each transformer layer with fullgraph=True (inductor), inside the
-    full-recompute wrapper; a graph break stops the run at the first step, which pays
-    the compilation (tens of seconds to minutes on CPU). Refused with selective recompute
-    and with tensor parallelism, which do not trace whole."""
+    full-recompute wrapper (selective recompute is traced into the layer's graph); a graph
+    break stops the run at the first step, which pays the compilation (tens of seconds to
+    minutes on CPU). Refused with tensor parallelism, which does not trace whole."""
     profile: bool = False
     """Record torch.profiler traces (CPU, plus CUDA on GPU) of the steps from
     --profile-step-start to --profile-step-end on each of --profile-ranks, one Chrome
@@ -69,13 +69,8 @@ def profile_dir(cfg: TrainConfig) -> str | None:
 
 
 def check_performance(cfg: TrainConfig, world_size: int) -> None:
-    """--compile against the recompute flags; --profile's steps, ranks and directory."""
-    perf, model = cfg.performance, cfg.model
-    if perf.compile and (model.recompute_activations
-                         or model.recompute_granularity == "selective"):
-        raise ConfigError(
-            "--compile: expected --recompute-granularity full or no recompute, got selective "
-            "recompute (its checkpoint inside the layer breaks the fullgraph compile)")
+    """--compile against tensor parallelism; --profile's steps, ranks and directory."""
+    perf = cfg.performance
     tp = cfg.parallelism.tensor_model_parallel_size
     if perf.compile and tp > 1:
         raise ConfigError(
