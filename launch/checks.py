@@ -17,11 +17,11 @@ import os
 import typing
 
 from hla_sp.launch.errors import ConfigError
+from hla_sp.launch.perf_checks import check_performance
 from hla_sp.launch.resume_checks import (
     check_load,
     check_skip_train,
 )
-from hla_sp.launch.sections_perf import check_performance
 from hla_sp.launch.sections_run import split_weights
 from hla_sp.launch.tokenizer import check_data_tokenizer, check_run_tokenizer
 

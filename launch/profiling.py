@@ -21,7 +21,7 @@ import torch
 from hla_sp.launch.config import TrainConfig
 from hla_sp.launch.distributed import Topology
 from hla_sp.launch.metrics import say
-from hla_sp.launch.sections_perf import profile_dir
+from hla_sp.launch.perf_checks import profile_dir
 from torch.profiler import ProfilerAction, ProfilerActivity
 
 __all__ = ["StepProfiler", "label_attention", "trace_path"]
