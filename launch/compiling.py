@@ -1,10 +1,12 @@
 """--compile: each transformer layer through ``torch.compile(fullgraph=True)``.
 
 Layers, not the whole model: the embedding, the loss and the trainer's Python stay
-eager, and full activation recompute (:func:`hla_sp.launch.model.apply_recompute`) wraps
-the compiled forward, so the recomputation in backward runs the compiled code too. The
-HLA operator is a torch custom op, opaque to the compiler, and under context parallelism
-its collectives run inside it: the graph holds whole at any CP size.
+eager. Full activation recompute (:func:`hla_sp.launch.model.apply_recompute`) wraps
+the compiled forward, so the recomputation in backward runs the compiled code too;
+selective recompute's checkpoint sits inside the layer, and dynamo traces it into the
+graph. HLA's chunk scan is a torch custom op, opaque to the compiler, and under context
+parallelism the exchanges between ranks trace as functional collectives: the graph holds
+whole at any CP size (tensor parallelism does not: refused by the checks).
 """
 
 from __future__ import annotations
