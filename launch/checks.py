@@ -17,6 +17,7 @@ import os
 import typing
 
 from hla_sp.launch.errors import ConfigError
+from hla_sp.launch.perf_checks import check_performance
 from hla_sp.launch.resume_checks import (
     check_load,
     check_skip_train,
@@ -58,6 +59,7 @@ def validate(cfg: TrainConfig, world_size: int, *, offline: bool = False) -> Non
     _check_batch(cfg, world_size)
     _check_device(cfg, offline)
     _check_attention(cfg)
+    check_performance(cfg, world_size)  # --compile, --profile
     if offline:
         return
     _check_data(cfg)

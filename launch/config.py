@@ -45,6 +45,7 @@ from hla_sp.launch.sections import (
     PrecisionConfig,
     Section,
 )
+from hla_sp.launch.sections_perf import PerformanceConfig
 from hla_sp.launch.sections_run import (
     RECALL_FILLERS,
     CheckpointConfig,
@@ -71,6 +72,7 @@ SECTIONS: dict[str, type[Section]] = {
     "evaluation": EvaluationConfig,
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
+    "performance": PerformanceConfig,
 }
 # Every section field -> its section (field names are unique across sections).
 FIELD_SECTION: dict[str, str] = {
@@ -95,6 +97,7 @@ class TrainConfig:
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    performance: PerformanceConfig = field(default_factory=PerformanceConfig)
     hla: HLAConfig = field(default_factory=HLAConfig)
     """The HLA options; ``hla.operator`` follows ``model.attention`` when that is an HLA
     operator (under softmax they are unused)."""

@@ -162,6 +162,10 @@ def build_model(
     chunk = loss_chunk_tokens(cfg)
     if chunk:  # with labels, the loss without all logits at once (--loss-chunk-tokens)
         use_chunked_loss(model, chunk)
+    if cfg.performance.compile:  # before recompute, which then wraps the compiled layers
+        from hla_sp.launch.compiling import compile_layers
+
+        compile_layers(model)
     granularity = cfg.model.recompute_granularity or (
         "selective" if cfg.model.recompute_activations else None)
     apply_recompute(model, granularity)

@@ -31,6 +31,7 @@ from hla_sp.launch.config import TrainConfig
 from hla_sp.launch.data import microbatches
 from hla_sp.launch.distributed import Topology
 from hla_sp.launch.nonfinite import NonFiniteError, non_finite, stop_line
+from hla_sp.launch.profiling import StepProfiler
 from hla_sp.launch.throughput import step_throughput
 
 
@@ -217,7 +218,9 @@ class Trainer:
         self.metrics.open(self.iteration, self.resumed_from)
         records = []
         start, start_iter = time.perf_counter(), self.iteration
+        profiler = StepProfiler(cfg, self.topo, self.iteration, self.model)  # --profile
         try:
+            profiler.start()
             while self.iteration < iters:
                 rec = self.step()
                 it = self.iteration
@@ -232,6 +235,7 @@ class Trainer:
                 if heartbeat is not None:
                     heartbeat.progress(it)
                 self.metrics.write(rec, on_record)
+                profiler.step()
                 periodic = ck.save_interval is not None and it % ck.save_interval == 0
                 # --exit-signal-handler: every rank stops after the same iteration
                 signalled = signals.agreed(self.topo.device) if ck.exit_signal_handler else 0
@@ -247,5 +251,6 @@ class Trainer:
                         metrics.say(f"--exit-interval {ck.exit_interval}: stopping at {it}")
                     break
         finally:
+            profiler.stop()
             self.metrics.close()
         return records
