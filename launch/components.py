@@ -103,7 +103,7 @@ class ModelParts:
             from hla_sp.launch.dist_optimizer import shard_model
 
             shard_model(model, dp_cp, model_dtype(cfg),
-                        checkpoint.sharded.describe_model(model, writes=False))
+                        checkpoint.sharded.unsharded_layout(model))
         masters = MasterWeights(model)
         scaler = (LossScaler(prec.loss_scale, prec.initial_loss_scale, prec.min_loss_scale,
                              prec.loss_scale_window, prec.hysteresis) if prec.fp16 else None)

@@ -49,20 +49,27 @@ def shard_model(model: torch.nn.Module, group: Any, compute_dtype: torch.dtype,
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    attrs = {}
-    for name, p in model.named_parameters():
-        attrs[name] = {a: getattr(p, a) for a in _MEGATRON_ATTRS if hasattr(p, a)}
-        # fp32 masters start from the half weights, as MasterWeights does; buffers
-        # keep the model's dtype, which FSDP does not cast
-        p.data = p.data.float()
+    attrs = {name: {a: getattr(p, a) for a in _MEGATRON_ATTRS if hasattr(p, a)}
+             for name, p in model.named_parameters()}
     device = next(model.parameters()).device
     mesh = DeviceMesh.from_group(group, device.type)
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
-    # a plain sum of the gradients: gloo has no PREMUL_SUM, and the loss is already
-    # divided by the global token count
-    model.set_gradient_divide_factor(1.0)  # type: ignore[operator]
-    model.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+    # one unit a transformer layer, then the rest: a layer's gradients are reduced as
+    # the backward leaves it, so the fp32 copy the reduce-scatter needs is one layer's
+    layers = list(getattr(getattr(model, "decoder", None), "layers", []))
+    for unit in [*layers, model]:
+        for p in unit.parameters():
+            if not isinstance(p, DTensor):
+                # fp32 masters start from the half weights, as MasterWeights does (a
+                # unit at a time: one unit's whole fp32 copy at once); buffers keep
+                # the model's dtype, which FSDP does not cast
+                p.data = p.data.float()
+        fully_shard(unit, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    for unit in _units(model):
+        # a plain sum of the gradients: gloo has no PREMUL_SUM, and the loss is
+        # already divided by the global token count
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
     for name, p in model.named_parameters():
         for a, v in attrs[name].items():
             setattr(p, a, v)
@@ -81,10 +88,15 @@ def half_dtype(model: torch.nn.Module) -> torch.dtype | None:
 def at_rest(model: torch.nn.Module) -> None:
     """A sharded model's parameters back to their shards (FSDP keeps the whole weights
     after a step's forward and backward); nothing for another model."""
+    for unit in _units(model):
+        unit.reshard()
+
+
+def _units(model: torch.nn.Module) -> list[Any]:
+    """The FSDP units of ``model`` (none for a model that is not sharded)."""
     from torch.distributed.fsdp import FSDPModule
 
-    if isinstance(model, FSDPModule):
-        model.reshard()
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
 def shard_rows(p: torch.Tensor) -> tuple[int, int]:

@@ -110,7 +110,7 @@ def test_the_flag_shards_the_optimizer_state() -> None:
     """One process group of one rank is enough to see the API: whole tensors at DP x CP
     1; the per-rank halving is measured in docs/benchmarks.md."""
     import torch.distributed as dist
-    from hla_sp.launch.checkpoint.sharded import describe_model
+    from hla_sp.launch.checkpoint.sharded import describe_model, unsharded_layout
     from hla_sp.launch.dist_optimizer import optimizer_state_bytes, shard_model, shard_rows
 
     if not dist.is_initialized():
@@ -118,7 +118,7 @@ def test_the_flag_shards_the_optimizer_state() -> None:
                                 world_size=1)
     try:
         model = torch.nn.Linear(6, 5).to(torch.bfloat16)
-        shard_model(model, dist.group.WORLD, torch.bfloat16, describe_model(model, True))
+        shard_model(model, dist.group.WORLD, torch.bfloat16, unsharded_layout(model))
         assert all(p.dtype == torch.float32 for p in model.parameters())
         assert shard_rows(model.weight) == (0, 5)
         # the checkpoint's pieces: the shards' rows at their places

@@ -157,6 +157,16 @@ def describe_model(model: torch.nn.Module, writes: bool) -> ModelPieces:
                        [by_id[id(p)][1] for p in params])
 
 
+def unsharded_layout(model: torch.nn.Module) -> ModelPieces:
+    """``describe_model`` of a model about to be sharded, its parameters' pieces holding
+    only their shapes (meta tensors): what :func:`_sharded` cuts the pieces from,
+    without keeping the whole weights alive."""
+    d = describe_model(model, writes=False)
+    meta = {id(pc): dataclasses.replace(pc, tensor=pc.tensor.to("meta")) for pc in d.of_param}
+    return ModelPieces([meta.get(id(pc), pc) for pc in d.pieces], [], d.names,
+                       [meta[id(pc)] for pc in d.of_param])
+
+
 def _sharded(model: torch.nn.Module, whole: ModelPieces) -> ModelPieces:
     """The pieces of a model sharded by --use-distributed-optimizer: each parameter's
     place as ``whole`` (described before sharding) gives it, cut to this rank's rows
