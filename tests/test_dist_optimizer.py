@@ -1,6 +1,6 @@
 """--use-distributed-optimizer under torchrun: the same losses and weights as the
 unsharded run at DP 2 and CP 2 x DP 2, checkpoints that load with and without the flag
-at other DP, CP and TP sizes, and a bitwise resume."""
+at other DP, CP and TP sizes, a bitwise resume, and --fp16."""
 
 from __future__ import annotations
 
@@ -150,3 +150,14 @@ def test_the_memory_model_counts_the_flag() -> None:
     assert "--use-distributed-optimizer" not in advice(on, 8)
     # one rank of DP x CP: nothing to shard over, nothing to advise
     assert "--use-distributed-optimizer" not in advice(parse_args(base[:-2]), 1)
+
+
+def test_fp16_with_the_flag_equals_fp16_without(tmp_path: Path) -> None:
+    """--fp16 (a static scale, so every step updates): the unscale and the overflow
+    check run on each rank's gradient rows; the same losses and norms as without."""
+    fp16 = [*TINY[:-1], "--fp16", "--loss-scale", "1024", "--train-iters", "3"]
+    a, b = (_ok(run_local([*fp16, *extra], 2, str(tmp_path / f"{i}.jsonl"), timeout=400),
+                [1, 2, 3]) for i, extra in enumerate([[], [FLAG]]))
+    _close(b.losses, a.losses)
+    _close([r["grad_norm"] for r in b.records], [r["grad_norm"] for r in a.records])
+    assert not any(r["skipped"] for r in a.records + b.records)
