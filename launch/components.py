@@ -83,6 +83,7 @@ class ModelParts:
     tp_group: Any
     device: torch.device
     tp: int
+    sharded: bool = False  # --use-distributed-optimizer: masters and moments over DP x CP
 
     @classmethod
     def build(cls, cfg: TrainConfig, vocab: int, topo: Topology) -> ModelParts:
@@ -97,6 +98,12 @@ class ModelParts:
         # --bf16/--fp16: every floating weight half, norms too (Megatron's Float16Module)
         model = build_model(cfg, vocab, topo.device).to(device=topo.device,
                                                         dtype=model_dtype(cfg))
+        dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
+        if opt.use_distributed_optimizer:
+            from hla_sp.launch.dist_optimizer import shard_model
+
+            shard_model(model, dp_cp, model_dtype(cfg),
+                        checkpoint.sharded.unsharded_layout(model))
         masters = MasterWeights(model)
         scaler = (LossScaler(prec.loss_scale, prec.initial_loss_scale, prec.min_loss_scale,
                              prec.loss_scale_window, prec.hysteresis) if prec.fp16 else None)
@@ -120,13 +127,14 @@ class ModelParts:
             override_opt_param_scheduler=override,
             use_checkpoint_opt_param_scheduler=not override,
         )
-        return cls(model, masters, scaler, optimizer, scheduler,
-                   ps.get_data_parallel_group(with_context_parallel=True),
-                   ps.get_tensor_model_parallel_group(), topo.device, topo.tp)
+        return cls(model, masters, scaler, optimizer, scheduler, dp_cp,
+                   ps.get_tensor_model_parallel_group(), topo.device, topo.tp,
+                   opt.use_distributed_optimizer)
 
     def all_reduce_grads(self) -> None:
-        """Sum the (fp32) gradients over the data-and-context-parallel group."""
-        if dist.get_world_size(self.dp_cp_group) == 1:
+        """Sum the (fp32) gradients over the data-and-context-parallel group (sharded:
+        FSDP's reduce-scatter did it in the backward)."""
+        if self.sharded or dist.get_world_size(self.dp_cp_group) == 1:
             return
         grads = self.masters.grads()
         flat = torch._utils._flatten_dense_tensors(grads)
@@ -138,13 +146,16 @@ class ModelParts:
         """Clip by the global L2 norm; TP-duplicated parameters are counted once. Return
         the norm and ``loss_sum``, read from the device together: the step's one host
         read serves the clip, the non-finite check and the record."""
+        from hla_sp.launch.dist_optimizer import local
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
         pairs = list(zip(self.masters.params, self.masters.main))
         for p, m in pairs:
             if m.grad is not None and param_is_not_tensor_parallel_duplicate(p):
-                sq += m.grad.float().pow(2).sum()
+                sq += local(m.grad).float().pow(2).sum()
+        if self.sharded:  # each DP x CP rank holds its rows of every gradient
+            dist.all_reduce(sq, group=self.dp_cp_group)
         if self.tp > 1:
             dist.all_reduce(sq, group=self.tp_group)
         norm, loss = torch.stack([sq.sqrt().double(), loss_sum.reshape(()).to(sq.device)]

@@ -10,6 +10,9 @@ the CPU measurements of ``benchmarks/bench_long_context.py`` and checked against
 - fixed: 0.48 GiB (interpreter, torch and megatron; measured);
 - bytes per parameter: 16 in fp32 (weight, gradient, AdamW's two moments), 20 with
   --bf16/--fp16 (half weight and gradient, fp32 master weight, its gradient, moments);
+  with --use-distributed-optimizer the fp32 master, its gradient and the moments (16
+  bytes) divide over DP x CP and the step's whole weight and gradient stay: 4 + 16 /
+  (DP x CP) with --bf16/--fp16, 8 + 16 / (DP x CP) in fp32;
 - tokens on the rank: micro-batch size x seq-length / CP;
 - activation bytes per token: every layer's saved input (``e`` x hidden with full
   recompute, 17 ``e`` x hidden otherwise, Korthikanti et al.'s per-layer figure without
@@ -130,6 +133,14 @@ def loss_chunk_tokens(cfg: TrainConfig) -> int:
     return AUTO_LOSS_CHUNK if tokens > AUTO_LOSS_CHUNK else 0
 
 
+def bytes_per_param(cfg: TrainConfig, dp_cp: int) -> float:
+    """Weights, gradients and AdamW per parameter on a rank (``dp_cp``: DP x CP)."""
+    e = _element_bytes(cfg)
+    if not cfg.optimizer.use_distributed_optimizer:
+        return 20 if e == 2 else 16
+    return 2 * e + 16 / dp_cp
+
+
 def estimate(cfg: TrainConfig, world_size: int, vocab: int | None = None) -> Estimate:
     """The parameter counts, memory per rank and FLOPs per step of ``cfg`` on
     ``world_size`` ranks (``vocab``: before padding; default --vocab-size or 257)."""
@@ -157,7 +168,7 @@ def estimate(cfg: TrainConfig, world_size: int, vocab: int | None = None) -> Est
         final_norm=2 * h,
         params_per_rank=per_rank,
         tokens_per_rank=tokens,
-        state_bytes=per_rank * (20 if e == 2 else 16),
+        state_bytes=int(per_rank * bytes_per_param(cfg, dp * cp)),
         activation_bytes=tokens * saved + working,
         flops_per_step=model_flops_per_token(cfg, vocab) * gbs * cfg.model.seq_length,
     )
@@ -262,6 +273,10 @@ def advice(cfg: TrainConfig, world_size: int, capacity: int | None = None,
         options.append((mem(cp[1], cp[0]), f"--context-parallel-size "
                                            f"{cp[1].parallelism.context_parallel_size} "
                                            f"({cp[0]}x the ranks)"))
+    dp_cp = world_size // cfg.parallelism.tensor_model_parallel_size
+    if not cfg.optimizer.use_distributed_optimizer and dp_cp > 1:
+        options.append((mem(cfg.replace(use_distributed_optimizer=True)),
+                        f"--use-distributed-optimizer (AdamW's state over DP x CP = {dp_cp})"))
     if cfg.optimizer.micro_batch_size > 1:
         mbs = max(cfg.optimizer.micro_batch_size // 2, 1)
         options.append((mem(cfg.replace(micro_batch_size=mbs)),

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from hla_sp.launch import checkpoint
+from hla_sp.launch.dist_optimizer import local
 
 
 class NonFiniteError(RuntimeError):
@@ -56,7 +57,8 @@ def checkpoint_finite(weights: list[torch.Tensor], last: dict[str, Any] | None) 
     """Whether a checkpoint counts as finite: every rank's ``weights`` (the fp32
     masters; one reduction, read once, collective) and the loss of its iteration's
     record ``last``, and its gradient norm unless the step was an fp16 skip."""
-    ok = torch.stack([torch.isfinite(w).all() for w in weights]).all()
+    # sharded masters (--use-distributed-optimizer): this rank's rows, and the MIN below
+    ok = torch.stack([torch.isfinite(local(w)).all() for w in weights]).all()
     flag = ok.to(torch.int32).reshape(1)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)

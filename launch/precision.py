@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from hla_sp.launch.dist_optimizer import local
 
 
 class LossScaler:
@@ -109,7 +110,8 @@ class MasterWeights:
         found = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
         for g in grads:
             g.mul_(1.0 / scale)
-            found += (~torch.isfinite(g)).any().float()
+            # a sharded gradient (--use-distributed-optimizer): this rank's rows
+            found += (~torch.isfinite(local(g))).any().float()
         # tensor-parallel ranks hold different slices: every rank must skip together
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
         return bool(found.item() > 0)

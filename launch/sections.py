@@ -241,6 +241,11 @@ class OptimizerConfig(Section):
     An fp16 overflow stays a skipped step."""
     seed: int = 1234
     """Seed for initialisation, dropout and data order."""
+    use_distributed_optimizer: bool = False
+    """Shard the fp32 master weights, their gradients and AdamW's moments (16 bytes a
+    parameter) over the data- and context-parallel ranks (Megatron's flag; torch FSDP2
+    underneath); the step's whole weights and gradients stay. Same losses as without,
+    to fp32 rounding of the reduction order."""
 
     RANGES: ClassVar[dict[str, Range]] = {
         "micro_batch_size": ("[", 1, None, "]"),

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from hla_sp.launch.checkpoint.layout import CheckpointError, write_error
+from hla_sp.launch.dist_optimizer import UNSHARDED_LAYOUT, at_rest, local, shard_rows
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
@@ -64,7 +65,7 @@ class Piece:
     def like(self, prefix: str, tensor: torch.Tensor) -> Piece:
         """The same place in ``tensor`` (a moment, a master: the parameter's shape)."""
         return dataclasses.replace(self, key=f"{prefix}.{self.key}",
-                                   tensor=tensor.detach().view(self.tensor.shape))
+                                   tensor=local(tensor.detach()).view(self.tensor.shape))
 
 
 @dataclasses.dataclass
@@ -109,6 +110,10 @@ def tp_rank() -> int:
 def describe_model(model: torch.nn.Module, writes: bool) -> ModelPieces:
     """Every tensor of ``model`` as a piece: from megatron's ``sharded_state_dict``, or
     (a plain module) each whole tensor, written by the ranks where ``writes`` holds."""
+    whole = getattr(model, UNSHARDED_LAYOUT, None)
+    if whole is not None:
+        at_rest(model)
+        return _sharded(model, whole)
     by_id: dict[int, tuple[str, Piece]] = {}
     pieces = []
     if hasattr(model, "sharded_state_dict"):
@@ -150,6 +155,38 @@ def describe_model(model: torch.nn.Module, writes: bool) -> ModelPieces:
             f"in the model's sharded_state_dict, so it would not be saved")
     return ModelPieces(pieces, params, [by_id[id(p)][0] for p in params],
                        [by_id[id(p)][1] for p in params])
+
+
+def unsharded_layout(model: torch.nn.Module) -> ModelPieces:
+    """``describe_model`` of a model about to be sharded, its parameters' pieces holding
+    only their shapes (meta tensors): what :func:`_sharded` cuts the pieces from,
+    without keeping the whole weights alive."""
+    d = describe_model(model, writes=False)
+    meta = {id(pc): dataclasses.replace(pc, tensor=pc.tensor.to("meta")) for pc in d.of_param}
+    return ModelPieces([meta.get(id(pc), pc) for pc in d.pieces], [], d.names,
+                       [meta[id(pc)] for pc in d.of_param])
+
+
+def _sharded(model: torch.nn.Module, whole: ModelPieces) -> ModelPieces:
+    """The pieces of a model sharded by --use-distributed-optimizer: each parameter's
+    place as ``whole`` (described before sharding) gives it, cut to this rank's rows
+    of its first dim. Every DP x CP rank writes its rows; of a tensor TP does not split
+    TP rank 0 writes them."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    own = {id(pc) for pc in whole.of_param}
+    pieces = [pc for pc in whole.pieces if id(pc) not in own]  # buffers: unsharded
+    of_param = []
+    for p, pc in zip(params, whole.of_param):
+        start, rows = shard_rows(p)
+        dim = len(pc.tensor.shape) - p.dim()  # megatron's prepended axes
+        offsets, shape = list(pc.offsets), tuple(pc.tensor.shape)
+        if p.dim():
+            offsets[dim] += start
+            shape = (*shape[:dim], rows, *shape[dim + 1:])
+        main = (getattr(p, "tensor_model_parallel", False) or tp_rank() == 0) and rows > 0
+        of_param.append(dataclasses.replace(pc, tensor=local(p.detach()).view(shape),
+                                            offsets=tuple(offsets), main=main))
+    return ModelPieces(pieces + of_param, params, whole.names, of_param)
 
 
 def _is_master_of(o: torch.Tensor, p: torch.Tensor) -> bool:

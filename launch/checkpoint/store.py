@@ -36,6 +36,7 @@ from hla_sp.launch.checkpoint.layout import (
     remove_leftovers,
 )
 from hla_sp.launch.checkpoint.rng import restore_rng, rng_state
+from hla_sp.launch.dist_optimizer import half_dtype
 
 FORMAT = 2  # 1: one torch.save file per TP rank (read by .legacy); 2: DCP
 _COMMON_KEYS = ("format", "iteration", "consumed_samples", "scheduler", "optimizer",
@@ -109,6 +110,11 @@ def _save(
     faults.maybe_inject(rank, iteration, phase="save")
     masters = extra.pop("main_params", None)
     described = sharded.describe_model(model, writes_model)
+    half = half_dtype(model)
+    if half is not None:  # sharded fp32 masters: written as the masters, and rounded
+        masters = list(described.params)  # as the model's weights, the format of a
+        for pc in described.of_param:  # half run without the flag
+            pc.tensor = pc.tensor.to(half)
     pieces, optim = sharded.optimizer_state(optimizer, described)
     pieces = described.pieces + pieces
     if masters is not None:
@@ -202,7 +208,14 @@ def load(
         masters = [torch.empty(p.shape, dtype=torch.float32, device=p.device)
                    for p in described.params]  # fmt: skip
         pieces += [pc.like(sharded.MASTER, m) for pc, m in zip(described.of_param, masters)]
-    sharded.read(where, described.pieces + pieces)
+    model_pieces = described.pieces
+    if common["masters"] and half_dtype(model) is not None:
+        # sharded fp32 masters are the parameters: read the saved masters into them,
+        # not the half weights they round to
+        params = {id(pc) for pc in described.of_param}
+        model_pieces = [pc for pc in described.pieces if id(pc) not in params]
+        pieces += [pc.like(sharded.MASTER, pc.tensor) for pc in described.of_param]
+    sharded.read(where, model_pieces + pieces)
     optimizer.load_state_dict(optim_state)
     scheduler.load_state_dict(common["scheduler"])
     restore_rng(d, rank, common["layout"], layout(world_size))
