@@ -9,11 +9,14 @@ With ``num_kv_heads < num_heads`` the query heads ``g * G .. g * G + G - 1`` sha
 head ``g`` (G = num_heads // num_kv_heads, Megatron's order). Every stage whose key and
 value are both kv-head tensors (S = sum k k^T of hla2/hla3/ccq, C = sum k v^T of
 ahla/hla3, the state of ``linear``) then has ONE state per group: the stage runs on the
-kv heads, and each query head reads it (k~ = S q). Through the primitive this is exact:
-each token t becomes G sub-tokens, the first carrying k_t (and the decay), the others
-k = 0 and no decay, so the state does not move while the G query heads of the group
-read it in turn. The stages whose key or value depends on the query (H of hla2, ahla,
-hla3) run per query head.
+kv heads, and each query head reads it (k~ = S q). On the torch backend without
+sequence parallelism the primitive takes the group's queries itself (multi-query: the
+state pieces built once per kv head, the G queries extra rows of each chunk's query
+block, :mod:`hla_sp.ops.chunk.layout`). Elsewhere (the Triton kernels, sequence
+parallelism) each token t becomes G sub-tokens, the first carrying k_t (and the decay),
+the others k = 0 and no decay, so the state does not move while the G query heads of
+the group read it in turn. Both are exact. The stages whose key or value depends on
+the query (H of hla2, ahla, hla3) run per query head.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 
 from hla_sp.config import PRECISIONS
 from hla_sp.ops import table, validate
-from hla_sp.ops.dispatch import resolve, stage_dtype
+from hla_sp.ops.dispatch import backend_for, resolve, stage_dtype
 from hla_sp.ops.primitive import DEFAULT_CHUNK_SIZE, primitive
 from hla_sp.ops.sharding import BatchPlan
 from hla_sp.ops.sp_protocol import SequenceParallelism
@@ -80,7 +83,7 @@ class _Stages:
         """q [B, T, Hq, K], k [B, T, Hkv, K], v [B, T, Hkv, V], h0 [N, Hkv, K, V] ->
         (o [B, T, Hq, V] with o[:, t, h] = q[:, t, h]^T h_t[h // G], final [N, Hkv, K, V])."""
         G = self.G
-        if G == 1:
+        if G == 1 or (self.sp is None and backend_for(q) == "torch"):
             return self._primitive(q, k, v, self.g, h0, self.cu, self.plan)
         B, T, Hq, K = q.shape
         Hkv = k.shape[2]
