@@ -83,8 +83,14 @@ class _Stages:
         """q [B, T, Hq, K], k [B, T, Hkv, K], v [B, T, Hkv, V], h0 [N, Hkv, K, V] ->
         (o [B, T, Hq, V] with o[:, t, h] = q[:, t, h]^T h_t[h // G], final [N, Hkv, K, V])."""
         G = self.G
-        if G == 1 or (self.sp is None and backend_for(q) == "torch"):
+        if G == 1:
             return self._primitive(q, k, v, self.g, h0, self.cu, self.plan)
+        if self.sp is None and backend_for(q) == "torch":
+            # Multi-query: a chunk holds chunk_size query rows (chunk_size / G tokens of G
+            # queries each), as a chunk of the sub-tokens below does; chunk_size tokens
+            # would make the in-chunk block G times larger and cost more than it saves.
+            return primitive(q, k, v, self.g, docs=self.cu, h0=h0, want_final=self.want_final,
+                             chunk_size=max(1, self.chunk_size // G))
         B, T, Hq, K = q.shape
         Hkv = k.shape[2]
         # [B, T, Hkv, G, K] -> [B, T, G, Hkv, K] -> [B, T*G, Hkv, K]: sub-token j reads head j.
