@@ -96,7 +96,7 @@ def chunk_linear_attention_op(
     back here, by flags (:mod:`hla_sp.ops.isolation`). The flags of k, v and g are an
     output so that the backward reads them instead of reducing k and v again."""
     bad = bad_tokens(k, v, g)
-    G = _check_groups(q, k, backend)
+    G = _check_groups(q, k)
     if backend == "triton":
         o, h = triton_chunk_forward(q, k, v, g, resets, h0, chunk_size)
         clean = True
@@ -110,15 +110,11 @@ def chunk_linear_attention_op(
     return o, h, bad
 
 
-def _check_groups(q: Tensor, k: Tensor, backend: str) -> int:
-    """G = Hq / Hkv of a multi-query call (q [B, T, Hq, K], k [B, T, Hkv, K]); only the
-    torch backend takes G > 1."""
+def _check_groups(q: Tensor, k: Tensor) -> int:
+    """G = Hq / Hkv of a multi-query call (q [B, T, Hq, K], k [B, T, Hkv, K])."""
     Hq, H = q.shape[2], k.shape[2]
     if H == 0 or Hq % H:
         raise ValueError(f"q: expected a multiple of k's {H} heads, got {Hq}")
-    if Hq != H and backend != "torch":
-        raise ValueError(f"backend: expected 'torch' for {Hq} query heads over {H} kv "
-                         f"heads, got {backend!r}")
     return Hq // H
 
 
@@ -156,7 +152,7 @@ def chunk_linear_attention_bwd_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of :func:`chunk_linear_attention_op` (``bad``: its third output); dg,
     dh0 empty when g, h0 are None."""
-    G = _check_groups(q, k, backend)
+    G = _check_groups(q, k)
     # per kv head: a group's shared state makes one segment of all its query heads
     flags = backward_flags(_by_kv_head(q, G), bad, _by_kv_head(do, G))
     if backend == "triton":

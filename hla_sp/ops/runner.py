@@ -9,14 +9,15 @@ With ``num_kv_heads < num_heads`` the query heads ``g * G .. g * G + G - 1`` sha
 head ``g`` (G = num_heads // num_kv_heads, Megatron's order). Every stage whose key and
 value are both kv-head tensors (S = sum k k^T of hla2/hla3/ccq, C = sum k v^T of
 ahla/hla3, the state of ``linear``) then has ONE state per group: the stage runs on the
-kv heads, and each query head reads it (k~ = S q). On the torch backend without
-sequence parallelism the primitive takes the group's queries itself (multi-query: the
-state pieces built once per kv head, the G queries extra rows of each chunk's query
-block, :mod:`hla_sp.ops.chunk.layout`). Elsewhere (the Triton kernels, sequence
-parallelism) each token t becomes G sub-tokens, the first carrying k_t (and the decay),
-the others k = 0 and no decay, so the state does not move while the G query heads of
-the group read it in turn. Both are exact. The stages whose key or value depends on
-the query (H of hla2, ahla, hla3) run per query head.
+kv heads, and each query head reads it (k~ = S q). Without sequence parallelism the
+primitive takes the group's queries itself (multi-query: the state pieces built once per
+kv head; the G queries are extra rows of each chunk's query block on the torch path,
+:mod:`hla_sp.ops.chunk.layout`, and per-query-head programs reading their kv head's
+states in the kernels). Under sequence parallelism each token t becomes G sub-tokens,
+the first carrying k_t (and the decay), the others k = 0 and no decay, so the state does
+not move while the G query heads of the group read it in turn. Both are exact. The
+stages whose key or value depends on the query (H of hla2, ahla, hla3) run per query
+head.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 
 from hla_sp.config import PRECISIONS
 from hla_sp.ops import table, validate
-from hla_sp.ops.dispatch import backend_for, resolve, stage_dtype
+from hla_sp.ops.dispatch import resolve, stage_dtype
 from hla_sp.ops.primitive import DEFAULT_CHUNK_SIZE, primitive
 from hla_sp.ops.sharding import BatchPlan
 from hla_sp.ops.sp_protocol import SequenceParallelism
@@ -85,7 +86,7 @@ class _Stages:
         G = self.G
         if G == 1:
             return self._primitive(q, k, v, self.g, h0, self.cu, self.plan)
-        if self.sp is None and backend_for(q) == "torch":
+        if self.sp is None:
             # Multi-query: a chunk holds chunk_size query rows (chunk_size / G tokens of G
             # queries each), as a chunk of the sub-tokens below does; chunk_size tokens
             # would make the in-chunk block G times larger and cost more than it saves.
