@@ -23,7 +23,9 @@ so a training step holds no per-chunk activations.
 Two operators, both taking the backend name chosen by :mod:`hla_sp.ops.dispatch`:
 
     hla_sp::chunk_linear_attention(q, k, v, g?, resets?, h0?, chunk_size, backend)
-        -> (o [B, T, H, V], h_last [B, H, K, V], bad [B, T, H] bool); o and h_last in
+        -> (o [B, T, H G, V], h_last [B, H, K, V], bad [B, T, H] bool), q [B, T, H G, K]
+        against k, v of H heads (G > 1: multi-query, query head h G + j reads kv head
+        h's state, built once); o and h_last in
         the compute dtype (fp32, or fp64 for fp64 inputs on the torch backend), bad
         the tokens whose k, v or decay is non-finite (kept for the backward)
     hla_sp::chunk_linear_attention_bwd(q, k, v, g?, resets?, h0?, do, dht?, bad,
