@@ -221,7 +221,9 @@ def chunk_fwd(
     chunk_fwd_o_kernel[(N, triton.cdiv(V, BV), B * HQ)](
         q, k, v, hs, g, resets, o, T, HQ, K, V, N, HQ // k.shape[2],
         BT=BT, BK=BK, BV=BV, HAS_G=g is not None, HAS_R=resets is not None,
-        DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_bf16(q.dtype), num_warps=tl_.num_warps,
+        DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_bf16(q.dtype),
+        # a group's separate q and kv offsets spilled 4 B at 4 warps (IEEE fp32, AOT gate)
+        num_warps=tl_.num_warps if k.shape[2] == HQ else max(8, tl_.num_warps),
         num_stages=tl_.num_stages,
     )
     assert h_last is not None

@@ -27,7 +27,7 @@ def chunk_bwd_dv_kernel(
     K,
     V,
     N,
-    G,  # multi-query: q, do, dv have H heads, k, dhs, g H / G
+    G: tl.constexpr,  # multi-query: q, do, dv have H heads, k, dhs, g H / G
     BT: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
@@ -62,7 +62,7 @@ def chunk_bwd_dv_kernel(
         p_k = ((i_b * T + o_t[:, None]) * HK + i_kh) * K + o_k[None, :]
         b_q = tl.load(q + p_q, mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_k = tl.load(k + p_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
-        p_dh = dhs + (((i_b * HK + i_kh) * N + i_n) * K + o_k[:, None]) * V + o_v[None, :]
+        p_dh = dhs + (((i_bh // G) * N + i_n) * K + o_k[:, None]) * V + o_v[None, :]
         b_dh = tl.load(p_dh, mask=m_k[:, None] & m_v[None, :], other=0.0)
         if UPCAST:
             b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
@@ -99,7 +99,7 @@ def chunk_bwd_dqk_kernel(
     K,
     V,
     N,
-    G,  # multi-query: q, do, dq, dk, dA have H heads (dk, dA shares the caller sums
+    G: tl.constexpr,  # multi-query: q, do, dq, dk, dA have H heads (dk, dA shares the caller sums
     # per group), k, v, hs, dhs, g H / G
     BT: tl.constexpr,
     BK: tl.constexpr,
@@ -136,7 +136,7 @@ def chunk_bwd_dqk_kernel(
         p_do = ((i_b * T + o_t[:, None]) * H + i_h) * V + o_v[None, :]
         b_v = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
         b_do = tl.load(do + p_do, mask=m_t[:, None] & m_v[None, :], other=0.0)
-        p_h = (((i_b * HK + i_kh) * N + i_n) * K + o_k[:, None]) * V + o_v[None, :]
+        p_h = (((i_bh // G) * N + i_n) * K + o_k[:, None]) * V + o_v[None, :]
         b_h = tl.load(hs + p_h, mask=m_k[:, None] & m_v[None, :], other=0.0)
         b_dh = tl.load(dhs + p_h, mask=m_k[:, None] & m_v[None, :], other=0.0)
         if UPCAST:

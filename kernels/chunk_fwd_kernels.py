@@ -26,7 +26,7 @@ def chunk_state_kernel(
     DX,
     DY,
     N,
-    G,  # query heads per kv head: g has H / G heads (CARRY over a group's queries)
+    G: tl.constexpr,  # query heads per kv head: g has H / G heads (CARRY over a group's queries)
     BT: tl.constexpr,
     BX: tl.constexpr,
     BY: tl.constexpr,
@@ -145,7 +145,9 @@ def chunk_fwd_o_kernel(
     K,
     V,
     N,
-    G,  # multi-query: q, o have H heads, k, v, hs, g H / G; head h reads kv head h / G
+    # multi-query: q, o have H heads, k, v, hs, g H / G; head h reads kv head h / G. A
+    # constexpr: G = 1 compiles to the code without groups (no spill added, AOT gate)
+    G: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
@@ -158,7 +160,9 @@ def chunk_fwd_o_kernel(
     i_n, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_bh = i_bh.to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
-    HK, i_kh = H // G, i_h // G  # the kv heads, and the one this query head reads
+    # the kv heads, and the one this query head reads; its states are (b, kv head)
+    # i_bh // G, written so that G = 1 folds to the code without groups
+    HK, i_kh = H // G, i_h // G
     o_i = tl.arange(0, BT)
     o_t = i_n * BT + o_i  # int32 is enough: T < 2^31; products with i_b are int64
     m_t = o_t < T
@@ -175,7 +179,7 @@ def chunk_fwd_o_kernel(
         p_k = ((i_b * T + o_t[:, None]) * HK + i_kh) * K + o_k[None, :]
         b_q = tl.load(q + p_q, mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_k = tl.load(k + p_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
-        p_h = hs + (((i_b * HK + i_kh) * N + i_n) * K + o_k[:, None]) * V + o_v[None, :]
+        p_h = hs + (((i_bh // G) * N + i_n) * K + o_k[:, None]) * V + o_v[None, :]
         b_h = tl.load(p_h, mask=m_k[:, None] & m_v[None, :], other=0.0)
         if UPCAST:
             b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
