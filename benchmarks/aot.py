@@ -62,7 +62,9 @@ def cases(full: bool = True) -> list[Case]:
     layer's powers of two; tiles clamp to [16, 64]), K = V (32, 128; tiles cap at 64,
     so 128 stands for 64 too) and the input variants (no decay; per-token decay; per-
     head decay; per-token decay with varlen documents and initial/final states;
-    decode: T = 1 with states); the sequential calls its launcher refuses launch nothing.
+    decode: T = 1 with states; gqa: per-token decay and varlen documents with 2 query
+    heads over 1 kv head, the multi-query launches, for the operators of the table);
+    the sequential calls its launcher refuses launch nothing.
     ``full=False`` (the test suite's share, about 1.5 minutes cold on two cores) keeps
     the default chunk (64, which each dtype's tiling caps), both widths and two
     variants: per-token decay, and every flag on (decay, documents, states).
@@ -72,13 +74,15 @@ def cases(full: bool = True) -> list[Case]:
     dtypes = ["fp32", "tf32", "bf16", "fp16"]
     chunks = [16, 32, 64] if full else [64]
     dims = [32, 128]
-    variants = ["plain", "token", "head", "varlen_states", "decode"]
+    variants = ["plain", "token", "head", "varlen_states", "decode", "gqa"]
     if not full:
         variants = ["token", "varlen_states"]
     out = []
     for op, dt, chunk, d, var in itertools.product(ops, dtypes, chunks, dims, variants):
         if var == "decode" and chunk != 64:
             continue  # T = 1 caps every chunk size at the same tile
+        if var == "gqa" and op.startswith("hla2_fused"):
+            continue  # the fused hla2 takes one kv head per query head
         out.append(dict(op=op, dtype=dt, chunk=chunk, dim=d, variant=var))
     return out
 
@@ -101,13 +105,14 @@ def _call(case: Case) -> None:
     def leaf(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape) * 0.1).to(dt).requires_grad_()
 
-    q, k, v = leaf(B, T, H, d), leaf(B, T, H, d), leaf(B, T, H, d)
+    hkv = 1 if var == "gqa" else H  # gqa: the group of both query heads reads one kv head
+    q, k, v = leaf(B, T, H, d), leaf(B, T, hkv, d), leaf(B, T, hkv, d)
     kw: dict[str, Any] = dict(chunk_size=chunk)
-    if var in ("token", "varlen_states", "decode"):
-        kw["log_decay"] = (-0.1 * torch.rand(B, T, H)).requires_grad_()
+    if var in ("token", "varlen_states", "decode", "gqa"):
+        kw["log_decay"] = (-0.1 * torch.rand(B, T, hkv)).requires_grad_()
     elif var == "head":
         kw["log_decay"] = (-0.1 * torch.rand(H)).requires_grad_()
-    if var == "varlen_states":
+    if var in ("varlen_states", "gqa"):
         kw["cu_seqlens"] = torch.tensor([0, T // 2, T])
     op, _, mode = case["op"].partition(":")
     if mode == "sequential" and refusal(dt, d, d, var != "plain", var == "varlen_states",

@@ -45,37 +45,18 @@ computes in fp64.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 
-from ._jit import interpreting
+from ._precision import dot_precision, upcast_bf16
 from .chunk_bwd_kernels import chunk_bwd_dqk_kernel, chunk_bwd_dv_kernel, reverse_cumsum_kernel
 from .chunk_fwd_kernels import chunk_fwd_o_kernel, chunk_state_kernel, state_passing_kernel
 
 MIN_CHUNK = 16  # tl.dot needs every dimension >= 16
 MAX_CHUNK = 64  # larger tiles only add register pressure
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """The ``DOT_PREC`` of a launch for inputs of ``dtype``: IEEE fp32 dots ("ieee")
-    unless torch itself is allowed TF32 for fp32 matmuls ("tf32")."""
-    if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
-        return "tf32"
-    return "ieee"
-
-
-def upcast_bf16(dtype: torch.dtype) -> bool:
-    """The ``UPCAST`` flag of a launch for inputs of ``dtype``: True for bf16 under the
-    interpreter, which then computes in fp32 with the roundings emulated.
-
-    Triton's CPU interpreter holds bf16 as raw 16-bit integers: conversions are right,
-    arithmetic and dots on them are not. The kernels then widen every bf16 load to
-    fp32 and round each dot operand through bf16 and back, so the interpreter runs the
-    same roundings as a GPU (to nearest even: ``kernels/_round.py``).
-    """
-    return dtype == torch.bfloat16 and interpreting()
 
 
 BLOCK_CAP = 64  # largest K or V tile; tests lower it to 16 to exercise several blocks
@@ -146,6 +127,14 @@ def chunk_tile(chunk_size: int, dtype: torch.dtype | None = None) -> int:
     return min(max(chunk_size, MIN_CHUNK), cap)
 
 
+def group_sum(x: torch.Tensor, dim: int, G: int) -> torch.Tensor:
+    """x with its head axis ``dim`` (query heads, G per kv head) summed per group,
+    contiguous: [.., H G, ..] -> [.., H, ..]."""
+    if G == 1:
+        return x
+    return x.unflatten(dim, (-1, G)).sum(dim + 1)
+
+
 def state_passing(
     hs: torch.Tensor,
     g: torch.Tensor | None,
@@ -196,7 +185,7 @@ def chunk_states(
     NK, NV = triton.cdiv(K, BK), triton.cdiv(V, BV)
     hs = torch.empty(B, H, N, K, V, dtype=torch.float32, device=k.device)
     chunk_state_kernel[(N, NK * NV, B * H)](
-        k, v, g, resets, hs, T, H, K, V, N,
+        k, v, g, resets, hs, T, H, K, V, N, 1,
         BT=BT, BX=BK, BY=BV, CARRY=False, HAS_G=g is not None, HAS_R=resets is not None,
         DOT_PREC=dot_precision(k.dtype), UPCAST=upcast_bf16(k.dtype), num_warps=tl_.num_warps,
         num_stages=tl_.num_stages,
@@ -215,22 +204,26 @@ def chunk_fwd(
     h0: torch.Tensor | None,
     BT: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward on prepared (contiguous, fp32 g/h0, int32 resets) inputs.
+    """Forward on prepared (contiguous, fp32 g/h0, int32 resets) inputs; q may have G
+    times k's heads (multi-query: the states once per kv head, read by its G queries).
 
     Returns:
-        o: [B, T, H, V] fp32 (the compute dtype, as the torch path), h_last: [B, H, K, V] fp32.
+        o: [B, T, H G, V] fp32 (the compute dtype, as the torch path), h_last:
+        [B, H, K, V] fp32.
     """
-    B, T, H, K = q.shape
+    B, T, HQ, K = q.shape
     V = v.shape[-1]
     N = triton.cdiv(T, BT)
     hs, h_last = chunk_states(k, v, g, resets, h0, BT)
-    o = torch.empty(B, T, H, V, dtype=torch.float32, device=q.device)  # as the torch path
+    o = torch.empty(B, T, HQ, V, dtype=torch.float32, device=q.device)  # as the torch path
     tl_ = tiling(q.dtype)
     BK, BV = tile_width(K, tl_.block), tile_width(V, tl_.block)
-    chunk_fwd_o_kernel[(N, triton.cdiv(V, BV), B * H)](
-        q, k, v, hs, g, resets, o, T, H, K, V, N,
+    chunk_fwd_o_kernel[(N, triton.cdiv(V, BV), B * HQ)](
+        q, k, v, hs, g, resets, o, T, HQ, K, V, N, HQ // k.shape[2],
         BT=BT, BK=BK, BV=BV, HAS_G=g is not None, HAS_R=resets is not None,
-        DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_bf16(q.dtype), num_warps=tl_.num_warps,
+        DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_bf16(q.dtype),
+        # a group's separate q and kv offsets spilled 4 B at 4 warps (IEEE fp32, AOT gate)
+        num_warps=tl_.num_warps if k.shape[2] == HQ else max(8, tl_.num_warps),
         num_stages=tl_.num_stages,
     )
     assert h_last is not None
@@ -251,14 +244,16 @@ def chunk_bwd(
     """Backward on prepared inputs; the chunk states are recomputed, not saved.
 
     Args:
-        do: [B, T, H, V] contiguous, in q's dtype; dht: [B, H, K, V] fp32 or None.
+        do: [B, T, H G, V] contiguous, in q's dtype; dht: [B, H, K, V] fp32 or None.
 
     Returns:
-        dq, dk [B, T, H, K], dv [B, T, H, V] in the input dtypes; dg [B, T, H] fp32
-        (None without g); dh0 [B, H, K, V] fp32 (None without h0).
+        dq [B, T, H G, K], dk [B, T, H, K], dv [B, T, H, V] in the input dtypes (fp32
+        for G > 1: the kernels' per-query-head shares are summed per group in fp32);
+        dg [B, T, H] fp32 (None without g); dh0 [B, H, K, V] fp32 (None without h0).
     """
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+    B, T, HQ, K = q.shape
+    H, V = k.shape[2], v.shape[-1]
+    G = HQ // H
     N = triton.cdiv(T, BT)
     tl_ = tiling(q.dtype)
     BK, BV = tile_width(K, tl_.block), tile_width(V, tl_.block)
@@ -269,29 +264,35 @@ def chunk_bwd(
     # Recompute: the states entering each chunk (and h_T, needed for dg).
     hs, h_last = chunk_states(k, v, g, resets, h0, BT, store_last=HAS_G and dht is not None)
     # Gradients of the states: per chunk u_n = (q * wc)^T do, then the reverse pass.
-    dhs = torch.empty(B, H, N, K, V, dtype=torch.float32, device=q.device)
-    chunk_state_kernel[(N, NK * NV, B * H)](
-        q, do, g, resets, dhs, T, H, K, V, N,
+    dhs = torch.empty(B, HQ, N, K, V, dtype=torch.float32, device=q.device)
+    chunk_state_kernel[(N, NK * NV, B * HQ)](
+        q, do, g, resets, dhs, T, HQ, K, V, N, G,
         BT=BT, BX=BK, BY=BV, CARRY=True, HAS_G=HAS_G, HAS_R=HAS_R,
         DOT_PREC=prec, UPCAST=upcast_bf16(q.dtype), num_warps=nw, num_stages=tl_.num_stages,
     )
+    dhs = group_sum(dhs, 1, G)  # a kv head's state is read by its G query heads
     dh0 = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device) if h0 is not None else None
     state_passing(dhs, g, resets, dht, dh0, T, BT, reverse=True)
-    dq, dk = torch.empty_like(q), torch.empty_like(k)
-    dv = torch.empty_like(v)
+    dq = torch.empty_like(q)
+    # per query head shares of dk, dv (and dA) for G > 1, summed per group below in fp32
+    share = q.new_empty if G == 1 else functools.partial(q.new_empty, dtype=torch.float32)
+    dk, dv = share(B, T, HQ, K), share(B, T, HQ, V)
     BKn = tile_width(K, tl_.narrow)  # dq/dk's own K tile, and its number of K blocks
     NKn = triton.cdiv(K, BKn)
-    dA = torch.empty(NKn, B, T, H, dtype=torch.float32, device=q.device) if HAS_G else None
-    chunk_bwd_dv_kernel[(N, NV, B * H)](
-        q, k, do, dhs, g, resets, dv, T, H, K, V, N,
+    dA = torch.empty(NKn, B, T, HQ, dtype=torch.float32, device=q.device) if HAS_G else None
+    chunk_bwd_dv_kernel[(N, NV, B * HQ)](
+        q, k, do, dhs, g, resets, dv, T, HQ, K, V, N, G,
         BT=BT, BK=BK, BV=BV, HAS_G=HAS_G, HAS_R=HAS_R, DOT_PREC=prec, UPCAST=upcast_bf16(q.dtype),
         num_warps=nw, num_stages=tl_.num_stages,
     )
-    chunk_bwd_dqk_kernel[(N, NKn, B * H)](
-        q, k, v, do, hs, dhs, g, resets, dq, dk, dA, T, H, K, V, N,
+    chunk_bwd_dqk_kernel[(N, NKn, B * HQ)](
+        q, k, v, do, hs, dhs, g, resets, dq, dk, dA, T, HQ, K, V, N, G,
         BT=BT, BK=BKn, BV=BV, HAS_G=HAS_G, HAS_R=HAS_R, DOT_PREC=prec, UPCAST=upcast_bf16(q.dtype),
         num_warps=nw, num_stages=tl_.narrow_stages,
     )
+    if G > 1:
+        dk, dv = group_sum(dk, 2, G).to(k.dtype), group_sum(dv, 2, G).to(v.dtype)
+        dA = None if dA is None else group_sum(dA, 3, G)
     dg = None
     if HAS_G:
         if dht is not None:
@@ -318,8 +319,9 @@ def prepare(
     q, k, v contiguous in one dtype; g and h0 fp32 (their gradients are cast back to
     the callers' dtypes by the autograd glue in :mod:`hla_sp.ops`); resets int32.
     """
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+    B, T, HQ, K = q.shape
+    H, V = k.shape[2], v.shape[-1]
+    assert H > 0 and HQ % H == 0, f"k: expected heads dividing q's {HQ}, got {H}"
     assert k.shape == (B, T, H, K), f"k: expected {(B, T, H, K)}, got {tuple(k.shape)}"
     assert v.shape[:3] == (B, T, H), f"v: expected leading dims {(B, T, H)}, got {tuple(v.shape)}"
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):

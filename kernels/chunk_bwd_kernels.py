@@ -21,12 +21,13 @@ def chunk_bwd_dv_kernel(
     dhs,  # [B, H, N, K, V] fp32: gradient of the state leaving each chunk
     g,  # [B, T, H] fp32 (HAS_G)
     r,  # [B, T] int32 (HAS_R)
-    dv,  # [B, T, H, V]
+    dv,  # [B, T, H, V]: per query head (G > 1: the caller sums each group's G)
     T,
     H,
     K,
     V,
     N,
+    G: tl.constexpr,  # multi-query: q, do, dv have H heads, k, dhs, g H / G
     BT: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
@@ -35,16 +36,21 @@ def chunk_bwd_dv_kernel(
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """dv_j = sum_t D[t, j] (q_t . k_j) do_t + ws_j (k_j^T dh_n), one [BT, BV] block."""
+    """dv_j = sum_t D[t, j] (q_t . k_j) do_t + ws_j (k_j^T dh_n), one [BT, BV] block.
+
+    Multi-query: each query head's share; the state term, once per kv head, goes to the
+    group's first query head."""
     i_n, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_bh = i_bh.to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
+    HK, i_kh = H // G, i_h // G
     o_i = tl.arange(0, BT)
     o_t = i_n * BT + o_i  # int32 is enough: T < 2^31; products with i_b are int64
     m_t = o_t < T
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    _, b_ws, _, b_D = in_chunk_decay(g, r, i_b, i_h, o_t, T, H, BT, HAS_G, HAS_R)
+    _, b_ws, _, b_D = in_chunk_decay(g, r, i_b, i_kh, o_t, T, HK, BT, HAS_G, HAS_R)
+    b_ws = tl.where(i_h % G == 0, b_ws, 0.0)
     b_Dt = tl.trans(b_D)  # [BT(j), BT(t)]: row j (key), column t (query)
 
     b_At = tl.zeros([BT, BT], dtype=tl.float32)  # (k_j . q_t)
@@ -52,10 +58,11 @@ def chunk_bwd_dv_kernel(
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
-        p_qk = ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :]
-        b_q = tl.load(q + p_qk, mask=m_t[:, None] & m_k[None, :], other=0.0)
-        b_k = tl.load(k + p_qk, mask=m_t[:, None] & m_k[None, :], other=0.0)
-        p_dh = dhs + ((i_bh * N + i_n) * K + o_k[:, None]) * V + o_v[None, :]  # [BK, BV]
+        p_q = ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :]
+        p_k = ((i_b * T + o_t[:, None]) * HK + i_kh) * K + o_k[None, :]
+        b_q = tl.load(q + p_q, mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_k = tl.load(k + p_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
+        p_dh = dhs + (((i_bh // G) * N + i_n) * K + o_k[:, None]) * V + o_v[None, :]
         b_dh = tl.load(p_dh, mask=m_k[:, None] & m_v[None, :], other=0.0)
         if UPCAST:
             b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
@@ -92,6 +99,8 @@ def chunk_bwd_dqk_kernel(
     K,
     V,
     N,
+    G: tl.constexpr,  # multi-query: q, do, dq, dk, dA have H heads (dk, dA shares the caller sums
+    # per group), k, v, hs, dhs, g H / G
     BT: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
@@ -108,12 +117,14 @@ def chunk_bwd_dqk_kernel(
     i_n, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_bh = i_bh.to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
+    HK, i_kh = H // G, i_h // G
     o_i = tl.arange(0, BT)
     o_t = i_n * BT + o_i  # int32 is enough: T < 2^31; products with i_b are int64
     m_t = o_t < T
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
-    b_wc, b_ws, _, b_D = in_chunk_decay(g, r, i_b, i_h, o_t, T, H, BT, HAS_G, HAS_R)
+    b_wc, b_ws, _, b_D = in_chunk_decay(g, r, i_b, i_kh, o_t, T, HK, BT, HAS_G, HAS_R)
+    b_ws = tl.where(i_h % G == 0, b_ws, 0.0)  # dk's state term: once per kv head
 
     b_dP = tl.zeros([BT, BT], dtype=tl.float32)  # (do_t . v_j)
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)
@@ -121,10 +132,11 @@ def chunk_bwd_dqk_kernel(
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
-        p_v = ((i_b * T + o_t[:, None]) * H + i_h) * V + o_v[None, :]  # [BT, BV]
+        p_v = ((i_b * T + o_t[:, None]) * HK + i_kh) * V + o_v[None, :]  # [BT, BV]
+        p_do = ((i_b * T + o_t[:, None]) * H + i_h) * V + o_v[None, :]
         b_v = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
-        b_do = tl.load(do + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
-        p_h = ((i_bh * N + i_n) * K + o_k[:, None]) * V + o_v[None, :]  # [BK, BV]
+        b_do = tl.load(do + p_do, mask=m_t[:, None] & m_v[None, :], other=0.0)
+        p_h = (((i_bh // G) * N + i_n) * K + o_k[:, None]) * V + o_v[None, :]
         b_h = tl.load(hs + p_h, mask=m_k[:, None] & m_v[None, :], other=0.0)
         b_dh = tl.load(dhs + p_h, mask=m_k[:, None] & m_v[None, :], other=0.0)
         if UPCAST:
@@ -138,7 +150,8 @@ def chunk_bwd_dqk_kernel(
     p_qk = ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :]  # [BT, BK]
     m_qk = m_t[:, None] & m_k[None, :]
     b_q = tl.load(q + p_qk, mask=m_qk, other=0.0)
-    b_k = tl.load(k + p_qk, mask=m_qk, other=0.0)
+    b_k = tl.load(k + ((i_b * T + o_t[:, None]) * HK + i_kh) * K + o_k[None, :], mask=m_qk,
+                  other=0.0)
     if UPCAST:
         b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
     b_q, b_k = finite(b_q), finite(b_k)

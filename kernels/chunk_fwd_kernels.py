@@ -26,6 +26,7 @@ def chunk_state_kernel(
     DX,
     DY,
     N,
+    G: tl.constexpr,  # query heads per kv head: g has H / G heads (CARRY over a group's queries)
     BT: tl.constexpr,
     BX: tl.constexpr,
     BY: tl.constexpr,
@@ -52,7 +53,7 @@ def chunk_state_kernel(
     o_y = i_y * BY + tl.arange(0, BY)
     m_x, m_y = o_x < DX, o_y < DY
     # CARRY: the incoming state's weight wc; else the chunk state's weight ws
-    b_wc, b_ws, _, _ = in_chunk_decay(g, r, i_b, i_h, o_t, T, H, BT, HAS_G, HAS_R)
+    b_wc, b_ws, _, _ = in_chunk_decay(g, r, i_b, i_h // G, o_t, T, H // G, BT, HAS_G, HAS_R)
     if CARRY:
         b_w = b_wc
     else:
@@ -144,6 +145,9 @@ def chunk_fwd_o_kernel(
     K,
     V,
     N,
+    # multi-query: q, o have H heads, k, v, hs, g H / G; head h reads kv head h / G. A
+    # constexpr: G = 1 compiles to the code without groups (no spill added, AOT gate)
+    G: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
@@ -156,22 +160,26 @@ def chunk_fwd_o_kernel(
     i_n, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_bh = i_bh.to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
+    # the kv heads, and the one this query head reads; its states are (b, kv head)
+    # i_bh // G, written so that G = 1 folds to the code without groups
+    HK, i_kh = H // G, i_h // G
     o_i = tl.arange(0, BT)
     o_t = i_n * BT + o_i  # int32 is enough: T < 2^31; products with i_b are int64
     m_t = o_t < T
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    b_wc, _, _, b_D = in_chunk_decay(g, r, i_b, i_h, o_t, T, H, BT, HAS_G, HAS_R)
+    b_wc, _, _, b_D = in_chunk_decay(g, r, i_b, i_kh, o_t, T, HK, BT, HAS_G, HAS_R)
 
     b_A = tl.zeros([BT, BT], dtype=tl.float32)
     b_o = tl.zeros([BT, BV], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
-        p_qk = ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :]  # [BT, BK]
-        b_q = tl.load(q + p_qk, mask=m_t[:, None] & m_k[None, :], other=0.0)
-        b_k = tl.load(k + p_qk, mask=m_t[:, None] & m_k[None, :], other=0.0)
-        p_h = hs + ((i_bh * N + i_n) * K + o_k[:, None]) * V + o_v[None, :]  # [BK, BV]
+        p_q = ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :]  # [BT, BK]
+        p_k = ((i_b * T + o_t[:, None]) * HK + i_kh) * K + o_k[None, :]
+        b_q = tl.load(q + p_q, mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_k = tl.load(k + p_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
+        p_h = hs + (((i_bh // G) * N + i_n) * K + o_k[:, None]) * V + o_v[None, :]
         b_h = tl.load(p_h, mask=m_k[:, None] & m_v[None, :], other=0.0)
         if UPCAST:
             b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
@@ -180,11 +188,12 @@ def chunk_fwd_o_kernel(
         b_A += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
         b_h = operand(b_h, q.dtype.element_ty, UPCAST)
         b_o += tl.dot(b_q, b_h, input_precision=DOT_PREC)
-    p_v = ((i_b * T + o_t[:, None]) * H + i_h) * V + o_v[None, :]  # [BT, BV]
+    p_v = ((i_b * T + o_t[:, None]) * HK + i_kh) * V + o_v[None, :]  # [BT, BV]
     b_v = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
     if UPCAST:
         b_v = b_v.to(tl.float32)
     b_v = finite(b_v)
     b_AD = operand(b_A * b_D, q.dtype.element_ty, UPCAST)
     b_o = b_o * b_wc[:, None] + tl.dot(b_AD, b_v, input_precision=DOT_PREC)
-    tl.store(o + p_v, round_to(b_o, o.dtype.element_ty, UPCAST), mask=m_t[:, None] & m_v[None, :])
+    p_o = ((i_b * T + o_t[:, None]) * H + i_h) * V + o_v[None, :]
+    tl.store(o + p_o, round_to(b_o, o.dtype.element_ty, UPCAST), mask=m_t[:, None] & m_v[None, :])

@@ -88,3 +88,13 @@ def test_ops_demo_passes(tmp_path: Path) -> None:
     assert "all checks passed" in r.stdout
     for op in ("linear_attention", "hla2", "ahla", "hla3"):
         assert op in r.stdout
+
+
+def test_bench_gqa_writes_ratios(tmp_path: Path) -> None:
+    """bench_gqa.py times every group size of the heads and writes each ratio to G = 1."""
+    _run([str(BENCH / "bench_gqa.py"), "--T", "64", "--K", "16", "--heads", "4", "--reps",
+          "1", "--out", str(tmp_path), "--label", "_smoke"], tmp_path)
+    res = json.loads((tmp_path / "gqa_T64_K16_smoke.json").read_text())
+    assert set(res["ratio_to_G1"]) == {"1", "2", "4"}
+    assert res["ratio_to_G1"]["1"] == 1.0
+    assert all(math.isfinite(r) and r > 0 for r in res["ratio_to_G1"].values())

@@ -36,11 +36,12 @@ def one_token(
     """The primitive over one token per sequence.
 
     Args:
-        q: [B, 1, H, K] (scaled), k: [B, 1, H, K], v: [B, 1, H, V],
+        q: [B, 1, H G, K] (scaled; G query heads per kv head), k: [B, 1, H, K],
+            v: [B, 1, H, V],
         g: [B, 1, H] log-decay or None, h0: [B, H, K, V] or None.
 
     Returns:
-        o [B, 1, H, V] and h_1 [B, H, K, V], in the compute dtype, new tensors.
+        o [B, 1, H G, V] and h_1 [B, H, K, V], in the compute dtype, new tensors.
     """
     cdt = compute_dtype(q.dtype)
     k1, v1 = k[:, 0].to(cdt), v[:, 0].to(cdt)
@@ -53,5 +54,8 @@ def one_token(
         h = h + carried
     # a non-finite entry poisons the head's whole state, as the scan's flags do
     poison_(h, bad_state(h))
-    o = torch.einsum("bhk,bhkv->bhv", q[:, 0].to(cdt), h)
-    return o[:, None].contiguous(), h
+    B, _, Hq, K = q.shape
+    # multi-query: query head h G + j reads the state of kv head h
+    qg = q[:, 0].to(cdt).reshape(B, h.shape[1], Hq // h.shape[1], K)
+    o = torch.einsum("bhgk,bhkv->bhgv", qg, h).reshape(B, 1, Hq, -1)
+    return o.contiguous(), h

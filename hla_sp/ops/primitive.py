@@ -23,7 +23,9 @@ so a training step holds no per-chunk activations.
 Two operators, both taking the backend name chosen by :mod:`hla_sp.ops.dispatch`:
 
     hla_sp::chunk_linear_attention(q, k, v, g?, resets?, h0?, chunk_size, backend)
-        -> (o [B, T, H, V], h_last [B, H, K, V], bad [B, T, H] bool); o and h_last in
+        -> (o [B, T, H G, V], h_last [B, H, K, V], bad [B, T, H] bool), q [B, T, H G, K]
+        against k, v of H heads (G > 1: multi-query, query head h G + j reads kv head
+        h's state, built once); o and h_last in
         the compute dtype (fp32, or fp64 for fp64 inputs on the torch backend), bad
         the tokens whose k, v or decay is non-finite (kept for the backward)
     hla_sp::chunk_linear_attention_bwd(q, k, v, g?, resets?, h0?, do, dht?, bad,
@@ -96,6 +98,7 @@ def chunk_linear_attention_op(
     back here, by flags (:mod:`hla_sp.ops.isolation`). The flags of k, v and g are an
     output so that the backward reads them instead of reducing k and v again."""
     bad = bad_tokens(k, v, g)
+    G = _check_groups(q, k)
     if backend == "triton":
         o, h = triton_chunk_forward(q, k, v, g, resets, h0, chunk_size)
         clean = True
@@ -105,8 +108,22 @@ def chunk_linear_attention_op(
         # Contiguous and never an alias of h0, as the fake and the operator rules require.
         o, h = chunk_forward(q, k, v, g, resets, h0, chunk_size, clean=clean)
     if clean:
-        poison_outputs(o, h, bad, g, resets, h0)
+        poison_outputs(_by_kv_head(o, G), h, bad, g, resets, h0)
     return o, h, bad
+
+
+def _check_groups(q: Tensor, k: Tensor) -> int:
+    """G = Hq / Hkv of a multi-query call (q [B, T, Hq, K], k [B, T, Hkv, K])."""
+    Hq, H = q.shape[2], k.shape[2]
+    if H == 0 or Hq % H:
+        raise ValueError(f"q: expected a multiple of k's {H} heads, got {Hq}")
+    return Hq // H
+
+
+def _by_kv_head(x: Tensor, G: int) -> Tensor:
+    """[B, T, H G, D] -> [B, T, H, G D], the flags then per kv head: a view when x is
+    contiguous, as the outputs and gradients that the poisoning writes in place are."""
+    return x if G == 1 else x.reshape(*x.shape[:2], -1, G * x.shape[-1])
 
 
 @chunk_linear_attention_op.register_fake
@@ -114,9 +131,9 @@ def _(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, resets: Tensor | None,
     h0: Tensor | None, chunk_size: int, backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    o = q.new_empty(B, T, H, V, dtype=_out_dtype(q, backend))
+    B, T, Hq, K = q.shape
+    H, V = k.shape[2], v.shape[-1]
+    o = q.new_empty(B, T, Hq, V, dtype=_out_dtype(q, backend))
     h = q.new_empty(B, H, K, V, dtype=_out_dtype(q, backend))
     return o, h, q.new_empty(B, T, H, dtype=torch.bool)
 
@@ -137,7 +154,9 @@ def chunk_linear_attention_bwd_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of :func:`chunk_linear_attention_op` (``bad``: its third output); dg,
     dh0 empty when g, h0 are None."""
-    flags = backward_flags(q, bad, do)
+    G = _check_groups(q, k)
+    # per kv head: a group's shared state makes one segment of all its query heads
+    flags = backward_flags(_by_kv_head(q, G), bad, _by_kv_head(do, G))
     if backend == "triton":
         dq, dk, dv, dg, dh0 = triton_chunk_backward(
             q, k, v, g, resets, h0, do, dht, chunk_size
@@ -148,7 +167,7 @@ def chunk_linear_attention_bwd_op(
         dq, dk, dv, dg, dh0 = chunk_backward(q, k, v, g, resets, h0, do, dht, chunk_size,
                                              clean=clean)
     if clean:
-        poison_grads([dq, dk, dv, dg], dh0, q, flags, g, resets, h0, dht)
+        poison_grads([_by_kv_head(dq, G), dk, dv, dg], dh0, k, flags, g, resets, h0, dht)
     # Contiguous, in the inputs' dtypes: exactly what the fake below promises.
     # (Two distinct empties: outputs of an operator may not alias each other.)
     dg = q.new_empty(0) if dg is None else dg.to(g.dtype).contiguous()

@@ -9,11 +9,15 @@ With ``num_kv_heads < num_heads`` the query heads ``g * G .. g * G + G - 1`` sha
 head ``g`` (G = num_heads // num_kv_heads, Megatron's order). Every stage whose key and
 value are both kv-head tensors (S = sum k k^T of hla2/hla3/ccq, C = sum k v^T of
 ahla/hla3, the state of ``linear``) then has ONE state per group: the stage runs on the
-kv heads, and each query head reads it (k~ = S q). Through the primitive this is exact:
-each token t becomes G sub-tokens, the first carrying k_t (and the decay), the others
-k = 0 and no decay, so the state does not move while the G query heads of the group
-read it in turn. The stages whose key or value depends on the query (H of hla2, ahla,
-hla3) run per query head.
+kv heads, and each query head reads it (k~ = S q). Without sequence parallelism the
+primitive takes the group's queries itself (multi-query: the state pieces built once per
+kv head; the G queries are extra rows of each chunk's query block on the torch path,
+:mod:`hla_sp.ops.chunk.layout`, and per-query-head programs reading their kv head's
+states in the kernels). Under sequence parallelism each token t becomes G sub-tokens,
+the first carrying k_t (and the decay), the others k = 0 and no decay, so the state does
+not move while the G query heads of the group read it in turn. Both are exact. The
+stages whose key or value depends on the query (H of hla2, ahla, hla3) run per query
+head.
 """
 
 from __future__ import annotations
@@ -82,6 +86,12 @@ class _Stages:
         G = self.G
         if G == 1:
             return self._primitive(q, k, v, self.g, h0, self.cu, self.plan)
+        if self.sp is None:
+            # Multi-query: a chunk holds chunk_size query rows (chunk_size / G tokens of G
+            # queries each), as a chunk of the sub-tokens below does; chunk_size tokens
+            # would make the in-chunk block G times larger and cost more than it saves.
+            return primitive(q, k, v, self.g, docs=self.cu, h0=h0, want_final=self.want_final,
+                             chunk_size=max(1, self.chunk_size // G))
         B, T, Hq, K = q.shape
         Hkv = k.shape[2]
         # [B, T, Hkv, G, K] -> [B, T, G, Hkv, K] -> [B, T*G, Hkv, K]: sub-token j reads head j.

@@ -3,14 +3,16 @@
 Shared by the one-call path (:mod:`hla_sp.ops.chunk.scan`) and the path split around
 a late carry-in state (:mod:`hla_sp.ops.chunk_split`). Every function takes a block
 already cut into chunks (:class:`hla_sp.ops.chunk.layout.Chunks`); ``do_chunks`` is
-the outputs' cotangent dO cut the same way, [B, H, N, C, V].
+the outputs' cotangent dO cut as the query rows, [B, H, N, C G, V] (G = 1 but for
+multi-query, where a state is read by G query rows per token and its gradient sums
+them: the matmuls over the rows do that sum).
 """
 
 from __future__ import annotations
 
 import torch
 
-from hla_sp.ops.chunk.layout import Chunks, weighted
+from hla_sp.ops.chunk.layout import Chunks, per_token, weighted
 
 Tensor = torch.Tensor
 
@@ -58,8 +60,8 @@ def local_grads(
     ``do_chunks`` [B, H, N, C, V] and the incoming states h_in [B, H, N, K, V]: dQ whole,
     the in-chunk parts of dK, dV and of dg (on the segment sums and the carry weight).
 
-    Returns dq, dk [B, H, N, C, K], dv [B, H, N, C, V] and dg [B, H, N, C] (None
-    without ``want_dg``)."""
+    Returns dq [B, H, N, C G, K], dk [B, H, N, C, K], dv [B, H, N, C, V] and dg
+    [B, H, N, C] (None without ``want_dg``)."""
     dA = do_chunks @ ch.vc.transpose(-1, -2)  # [B, H, N, C, C]
     A = (ch.qc @ ch.kc.transpose(-1, -2)).mul_(ch.D)
     dv = A.transpose(-1, -2) @ do_chunks
@@ -67,9 +69,10 @@ def local_grads(
     dg = None
     if want_dg:
         dL = dA * A  # gradient of each in-chunk segment sum; 0 where masked
-        db = dL.sum(-1) - dL.sum(-2)  # on b_t as the later end, minus as the earlier
+        # on b_t as the later end (the token's G query rows), minus as the earlier
+        db = per_token(dL.sum(-1), ch.G) - dL.sum(-2)
         del dL
-        db += (weighted(ch.qc, ch.wc) * dq_carry).sum(-1)  # the carry weight exp(b_t)
+        db += per_token((weighted(ch.qc, ch.wc) * dq_carry).sum(-1), ch.G)  # exp(b_t)
         dg = segment_suffix_sums(db, ch.seg)  # g_i enters b_t for every t >= i
     del A
     dQK = dA.mul_(ch.D)
@@ -124,8 +127,8 @@ def block_backward(
         do_chunks: [B, H, N, C, V] the outputs' cotangent; dh_next: [B, H, K, V] the
             gradient of the state leaving the block.
 
-    Returns dq, dk [B, H, N, C, K], dv [B, H, N, C, V], dg [B, H, N, C] or None, and
-    the gradient of the state entering the block.
+    Returns dq [B, H, N, C G, K], dk [B, H, N, C, K], dv [B, H, N, C, V], dg
+    [B, H, N, C] or None, and the gradient of the state entering the block.
     """
     h_in, _ = incoming_states(ch, h_entry)
     dh_in = reverse_states(ch, do_chunks, dh_next)

@@ -3,6 +3,12 @@
 The forward and backward run over blocks of whole chunks (:func:`block_ranges`); each
 block is cut by :func:`prepare` into heads-first chunk tensors [B, H, N, C, .] and
 the per-chunk weights of the chunk algebra (:mod:`hla_sp.ops.chunk.algebra`).
+
+Multi-query (G query heads per kv head, GQA): q [B, T, H G, K] against k, v of H
+heads. Every state piece (summaries, pass factors) is built once per kv head; the
+group's queries are extra rows of the chunk's query block, row c G + j being token c
+of query head h G + j, so the query-side tensors are [B, H, N, C G, .] and the
+in-chunk mask of a row is that of its token.
 """
 
 from __future__ import annotations
@@ -40,9 +46,11 @@ def segsum(g: Tensor) -> Tensor:
 class Chunks:
     """Inputs cut into chunks, heads first, and the decay weights of every chunk.
 
-    qc, kc: [B, H, N, C, K]; vc: [B, H, N, C, V] (compute dtype, zero-padded).
-    D: [B, H, N, C, C] in-chunk decay exp(segsum), 0 where masked (causal, resets).
-    wc: [B, H, N, C] weight of the incoming state for token t, exp(b_t).
+    qc: [B, H, N, C G, K] (G query rows per token, row c G + j: query head h G + j);
+    kc: [B, H, N, C, K]; vc: [B, H, N, C, V] (compute dtype, zero-padded).
+    D: [B, H, N, C G, C] in-chunk decay exp(segsum) of each query row's token, 0 where
+        masked (causal, resets).
+    wc: [B, H, N, C G] weight of the incoming state for each query row, exp(b_t).
     ws: [B, H, N, C] weight of token j in its chunk's summary, exp(b_C - b_j).
         wc and ws are None when they are all ones (no decay, no document start).
     p: [B, H, N] pass factor of each chunk, exp(b_C) (0 when the chunk holds a start).
@@ -61,6 +69,18 @@ class Chunks:
     T: int
     pad: int
     seg: Tensor | None = None
+    G: int = 1
+
+
+def per_token(x: Tensor, G: int) -> Tensor:
+    """[..., C G] per query row -> [..., C] per token: the sum over a token's G rows."""
+    return x if G == 1 else x.unflatten(-1, (-1, G)).sum(-1)
+
+
+def rows(x: Tensor | None, G: int) -> Tensor | None:
+    """[..., C, D] per token -> [..., C G, D]: each token's row repeated for its G query
+    rows (a query-side weight or mask)."""
+    return x if x is None or G == 1 else x.repeat_interleave(G, dim=-2)
 
 
 def weighted(x: Tensor, w: Tensor | None) -> Tensor:
@@ -102,13 +122,21 @@ def prepare(
     The copies are clean (:mod:`hla_sp.ops.isolation`): non-finite entries are 0, and
     a NaN or +inf log-decay is 0; the callers put the poison back by flags. A forward
     may pass ``clean_q=False``: a non-finite q_t only reaches o_t, which it should;
-    ``clean=False`` cleans nothing (inputs known finite)."""
-    ref = next(x for x in (q, k, v) if x is not None)
+    ``clean=False`` cleans nothing (inputs known finite).
+
+    q may have G times the heads of k and v (multi-query, module note); G = 1 when
+    q, or both k and v, are None."""
+    ref = next(x for x in (k, v, q) if x is not None)
     B, T, H, _ = ref.shape
     N = -(-T // C)
     pad = N * C - T
     cdt = compute_dtype(ref.dtype)
-    qc = None if q is None else cut_tokens(q, C, cdt, clean_q and clean)
+    G = 1 if q is None else q.shape[2] // H
+    qc = None
+    if q is not None:
+        # [B, T, H G, K] as [B, T, H, G K]: one heads-first copy, rows c G + j for free
+        qc = cut_tokens(q.reshape(B, T, H, G * q.shape[-1]), C, cdt, clean_q and clean)
+        qc = qc.view(B, H, N, C * G, q.shape[-1])
     kc = None if k is None else cut_tokens(k, C, cdt, clean)
     vc = None if v is None else cut_tokens(v, C, cdt, clean)
     causal = torch.ones(C, C, dtype=torch.bool, device=ref.device).tril()
@@ -143,13 +171,23 @@ def prepare(
         ws = torch.where(c == c[..., -1:], ones if ws is None else ws, 0.0)
         wc = torch.where(c == 0, ones if wc is None else wc, 0.0)
         p = torch.where(c[..., -1] == 0, p, 0.0)
-    return Chunks(qc, kc, vc, D, wc, ws, p, T, pad, seg)
+    if G > 1:
+        D = rows(D, G)
+        wc = None if wc is None else rows(wc[..., None], G)[..., 0]
+    return Chunks(qc, kc, vc, D, wc, ws, p, T, pad, seg, G)
 
 
 def to_tokens(x: Tensor, T: int) -> Tensor:
     """[B, H, N, C, D] -> [B, T, H, D] (drops the padding)."""
     B, H, N, C, Dd = x.shape
     return x.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, Dd)[:, :T]
+
+
+def rows_to_tokens(x: Tensor, T: int, G: int) -> Tensor:
+    """Query rows [B, H, N, C G, D] -> [B, T, H, G D] (drops the padding): the caller
+    writes it into a view [B, T, H, G D] of its [B, T, H G, D] tensor."""
+    B, H, N, R, Dd = x.shape
+    return to_tokens(x.view(B, H, N, R // G, G * Dd), T)
 
 
 def chunk_values_to_tokens(x: Tensor, T: int) -> Tensor:

@@ -66,7 +66,7 @@ def segment_summary(
 def with_carry_terms(
     o: Tensor, q: Tensor, g: Tensor | None, spans: Sequence[tuple[int, int, Tensor]]
 ) -> Tensor:
-    """o [B, T, H, V] with, on each span [s, e) (disjoint, in order), the term of the
+    """o [B, T, H G, V] with, on each span [s, e) (disjoint, in order), the term of the
     state h [B, H, K, V] carried into it: :func:`carry_term` of that span. A new tensor
     (no in-place write on o, which autograd may hold)."""
     if not spans:
@@ -84,18 +84,23 @@ def carry_term(q: torch.Tensor, g: torch.Tensor | None, h0: torch.Tensor) -> tor
     """What a carry-in state adds to a segment's outputs: exp(A_t) q_t^T h0.
 
     Args:
-        q: [B, L, H, K] (scaled), g: [B, L, H] or None, h0: [B, H, K, V].
+        q: [B, L, H G, K] (scaled; G query heads per kv head, multi-query),
+        g: [B, L, H] or None, h0: [B, H, K, V].
 
     Returns:
-        [B, L, H, V] in the compute dtype.
+        [B, L, H G, V] in the compute dtype.
     """
     cdt = compute_dtype(q.dtype)
+    B, L, Hq, K = q.shape
+    H = h0.shape[1]
     # clean operands (a q_t after a hard reset must not bring a NaN into h0's gradient),
     # and a non-finite h0's poison put back on the tokens it reaches
-    out = torch.einsum("blhk,bhkv->blhv", finite(q.to(cdt)), finite(h0.to(cdt)))
+    qg = finite(q.to(cdt)).reshape(B, L, H, Hq // H, K)
+    out = torch.einsum("blhgk,bhkv->blhgv", qg, finite(h0.to(cdt)))
     reach = bad_state(h0)[:, None]  # [B, 1, H]
     if g is not None:
         A = finite_decay(g.to(cdt)).cumsum(1)
-        out = out * torch.exp(A)[..., None]
+        out = out * torch.exp(A)[..., None, None]
         reach = reach & ~torch.isneginf(A)  # up to the first hard reset
-    return torch.where(reach[..., None], float("nan"), out)
+    out = torch.where(reach[..., None, None], float("nan"), out)
+    return out.reshape(B, L, Hq, -1)
