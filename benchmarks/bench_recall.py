@@ -37,6 +37,8 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -314,25 +316,87 @@ def mix_diagnostics(model: nn.Module, x: torch.Tensor) -> list[dict[str, Any]] |
     return out
 
 
-def param_groups(model: nn.Module, lr: float, mix_lr: float) -> list[dict[str, Any]]:
-    """The trainable parameters, the mix weights (``key_mix``, ``value_mix``) in a group of
-    their own at ``mix_lr`` times the rate (the group is left out when it is empty). At
-    ``mix_lr`` 1 one group, as before the option, so earlier runs reproduce bitwise."""
+def param_groups(named: Any, lr: float, mix_lr: float) -> list[dict[str, Any]]:
+    """The trainable parameters of ``named`` (a model, or its (name, tensor) pairs), the
+    mix weights (``key_mix``, ``value_mix``) in a group of their own at ``mix_lr`` times
+    the rate (the group is left out when it is empty). At ``mix_lr`` 1 one group, as
+    before the option, so earlier runs reproduce bitwise."""
+    pairs = list(named.named_parameters() if isinstance(named, nn.Module) else named)
     if mix_lr == 1.0:
-        return [{"params": [p for p in model.parameters() if p.requires_grad]}]
+        return [{"params": [p for _, p in pairs if p.requires_grad]}]
     mix, rest = [], []
-    for name, p in model.named_parameters():
+    for name, p in pairs:
         if p.requires_grad:
             (mix if name.endswith(("key_mix", "value_mix")) else rest).append(p)
     return [g for g in ({"params": rest}, {"params": mix, "lr": lr * mix_lr}) if g["params"]]
 
 
-def make_optimizer(model: nn.Module, mixer: str, lr: float) -> torch.optim.AdamW:
+def make_optimizer(model: Any, mixer: str, lr: float) -> torch.optim.AdamW:
     """The benchmarks' AdamW (weight decay 0.1), with the mixer's own rate for its mix
     weights where its spec asks for one (``mix_lr``): every benchmark that trains a
-    ``RecallLM`` builds its optimiser here, so no variant's rate is dropped silently."""
+    ``RecallLM`` builds its optimiser here, so no variant's rate is dropped silently.
+    ``model``: a module, or (name, tensor) pairs (stacked weights of many seeds)."""
     return torch.optim.AdamW(param_groups(model, lr, MIXERS[mixer].get("mix_lr", 1.0)),
                              lr=lr, weight_decay=0.1)
+
+
+def lr_schedule(steps: int) -> Callable[[int], float]:
+    """The factor of the peak rate at step s: 10% linear warmup, then cosine to 0."""
+    warm = max(1, steps // 10)
+
+    def lr_at(s: int) -> float:
+        return min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * s / steps))
+
+    return lr_at
+
+
+def held_out(T: int, pairs: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
+    """(inputs, labels) of the held-out set and the diagnostics' probe batch: the same
+    samples for every seed and mixer at a size."""
+    ex, ey = mqar_batch(EVAL_SAMPLES, T, pairs, torch.Generator().manual_seed(10_000 + T))
+    probe = mqar_batch(16, T, pairs, torch.Generator().manual_seed(20_000 + T))[0]
+    return ex.to(dev), ey.to(dev), probe.to(dev)
+
+
+@dataclass
+class Progress:
+    """One run's checks along the way: the curve, the first step at REACHED and the
+    step of the early stop."""
+
+    curve: list[dict[str, Any]] = field(default_factory=list)
+    reached: int | None = None
+    stopped: int | None = None
+
+    def check(self, model: nn.Module, s: int, train_loss: float, data: tuple[torch.Tensor, ...],
+              early_stop: float | None) -> bool:
+        """Evaluate ``model`` at step ``s`` on CHECK_SAMPLES held-out samples; True when the
+        run stops here."""
+        ex, ey, probe = data
+        acc, eloss = evaluate(model, ex[:CHECK_SAMPLES], ey[:CHECK_SAMPLES])
+        self.curve.append({"step": s, "acc": acc, "loss": eloss, "train_loss": train_loss,
+                           "mix": mix_diagnostics(model, probe)})
+        if self.reached is None and acc >= REACHED:
+            self.reached = s
+        if early_stop is not None and acc >= early_stop:
+            self.stopped = s
+        return self.stopped is not None
+
+
+def run_result(model: nn.Module, data: tuple[torch.Tensor, ...], progress: Progress,
+               gnorms: tuple[float | None, float | None], seconds: float,
+               cut: int | None, **setting: Any) -> dict[str, Any]:
+    """The stored record of a finished run: ``setting`` (mixer, T, pairs, d_model, steps,
+    batch, lr, seed), the final figures on the whole held-out set, the curve."""
+    acc, eloss = evaluate(model, data[0], data[1])
+    mixer, T, d = setting["mixer"], setting["T"], setting["d_model"]
+    return {"mixer": mixer, "options": MIXERS[mixer], **setting,
+            "acc": acc, "loss": eloss, "solved": solved(progress.stopped, acc),
+            "steps_to_0.9": progress.reached, "stopped_at": progress.stopped,
+            "curve": progress.curve, **({"cut_at": cut} if cut is not None else {}),
+            "grad_norm_mean": gnorms[0], "grad_norm_max": gnorms[1], "seconds": seconds,
+            "params": sum(p.numel() for p in model.parameters()),
+            "state_per_layer": state_per_layer(mixer, T, d),
+            "device": data[0].device.type}
 
 
 def train(mixer: str, T: int, pairs: int, steps: int, batch: int, lr: float = 3e-3,
@@ -349,19 +413,11 @@ def train(mixer: str, T: int, pairs: int, steps: int, batch: int, lr: float = 3e
     torch.manual_seed(seed)
     dev = torch.device(device)
     gen = torch.Generator().manual_seed(seed + 1)
-    ex, ey = mqar_batch(EVAL_SAMPLES, T, pairs, torch.Generator().manual_seed(10_000 + T))
-    probe = mqar_batch(16, T, pairs, torch.Generator().manual_seed(20_000 + T))[0]
-    ex, ey, probe = ex.to(dev), ey.to(dev), probe.to(dev)
+    data = held_out(T, pairs, dev)
     model = RecallLM(mixer, T, d=d).to(dev)
     opt = make_optimizer(model, mixer, lr)
-    warm = max(1, steps // 10)
-
-    def lr_at(s: int) -> float:
-        return min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * s / steps))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    curve, gnorms, t0 = [], [], time.perf_counter()
-    reached = stopped = cut = None
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule(steps))
+    progress, gnorms, t0, cut = Progress(), [], time.perf_counter(), None
     for s in range(1, steps + 1):
         if deadline is not None and time.time() >= deadline:
             cut = s - 1
@@ -373,26 +429,13 @@ def train(mixer: str, T: int, pairs: int, steps: int, batch: int, lr: float = 3e
         gnorms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
         opt.step()
         sched.step()
-        if s % eval_every == 0 or s == steps:
-            acc, eloss = evaluate(model, ex[:CHECK_SAMPLES], ey[:CHECK_SAMPLES])
-            curve.append({"step": s, "acc": acc, "loss": eloss, "train_loss": loss.item(),
-                          "mix": mix_diagnostics(model, probe)})
-            if reached is None and acc >= REACHED:
-                reached = s
-            if early_stop is not None and acc >= early_stop:
-                stopped = s
-                break
-    acc, eloss = evaluate(model, ex, ey)
-    return {"mixer": mixer, "options": MIXERS[mixer], "T": T, "pairs": pairs,
-            "d_model": d, "steps": steps, "batch": batch, "lr": lr, "seed": seed,
-            "acc": acc, "loss": eloss, "solved": solved(stopped, acc),
-            "steps_to_0.9": reached,
-            "stopped_at": stopped, "curve": curve, **({"cut_at": cut} if cut is not None else {}),
-            "grad_norm_mean": sum(gnorms) / len(gnorms) if gnorms else None,
-            "grad_norm_max": max(gnorms) if gnorms else None,
-            "seconds": time.perf_counter() - t0,
-            "params": sum(p.numel() for p in model.parameters()),
-            "state_per_layer": state_per_layer(mixer, T, d), "device": dev.type}
+        if (s % eval_every == 0 or s == steps) and progress.check(
+                model, s, loss.item(), data, early_stop):
+            break
+    return run_result(model, data, progress,
+                      (sum(gnorms) / len(gnorms), max(gnorms)) if gnorms else (None, None),
+                      time.perf_counter() - t0, cut, T=T, pairs=pairs, d_model=d,
+                      steps=steps, batch=batch, lr=lr, seed=seed, mixer=mixer)
 
 
 def solved(stopped_at: int | None, acc: float) -> bool:
@@ -410,8 +453,23 @@ def load_results(path: Path) -> list[dict[str, Any]]:
     return results
 
 
-def _job(kw: dict[str, Any]) -> dict[str, Any]:
+def _job(kw: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
+    if "seeds" in kw:
+        from recall_seeds import train_seeds
+
+        return train_seeds(**kw)
     return train(**kw)
+
+
+def together(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runs of ``jobs`` that differ only in their seed, as one job each (``seeds``:
+    their seeds, in order), for :func:`recall_seeds.train_seeds`."""
+    groups: dict[tuple, dict[str, Any]] = {}
+    for kw in jobs:
+        rest = {k: v for k, v in kw.items() if k != "seed"}
+        key = tuple(sorted(rest.items()))
+        groups.setdefault(key, {**rest, "seeds": []})["seeds"].append(kw["seed"])
+    return list(groups.values())
 
 
 def run_key(r: dict[str, Any]) -> tuple:
@@ -550,6 +608,9 @@ def main(argv: list[str] | None = None) -> None:
                     help=f"train every run to the end (default: stop at {SOLVED})")
     ap.add_argument("--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)),
                     help="runs in parallel, one thread each")
+    ap.add_argument("--seeds-together", action="store_true",
+                    help="train a cell's seeds in one process, their weights stacked under "
+                    "torch.vmap (recall_seeds.py): one job per mixer and rate, not per seed")
     ap.add_argument("--device", default="cpu",
                     help="where every run trains: cpu, or cuda (the runs share the one GPU, "
                     "each in its own process)")
@@ -608,12 +669,20 @@ def main(argv: list[str] | None = None) -> None:
                         if (m, T, pairs, d, steps, float(lr), seed) not in done:
                             jobs.append(kw)
     print(f"{len(jobs)} runs to do, {len(done)} already in {out_json}", flush=True)
+    if a.seeds_together:
+        jobs = together(jobs)
+        print(f"  as {len(jobs)} jobs, each training its seeds together", flush=True)
     a.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
 
-    def report(r: dict[str, Any]) -> None:
-        """Print a finished run and rewrite the JSON and PNG, keeping the runs that other
-        processes stored in the same file meanwhile (parts of a grid may run at once)."""
+    def report(finished: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """Print a finished run (or a group's runs) and rewrite the JSON and PNG, keeping
+        the runs that other processes stored in the same file meanwhile (parts of a grid
+        may run at once)."""
+        for r in finished if isinstance(finished, list) else [finished]:
+            _report_one(r)
+
+    def _report_one(r: dict[str, Any]) -> None:
         results.append(r)
         print(f"T={r['T']:4d} pairs={r['pairs']:3d} d={r['d_model']:3d} {r['mixer']:14s} "
               f"lr {r['lr']:.0e} seed {r['seed']}: acc {r['acc']:.3f} loss {r['loss']:.3f} "
@@ -625,6 +694,7 @@ def main(argv: list[str] | None = None) -> None:
             "machine": {"python": sys.version.split()[0], "torch": torch.__version__,
                         "cpu": platform.processor() or platform.machine(),
                         "jobs": a.jobs, "threads_per_job": 1, "device": a.device,
+                        "seeds_together": a.seeds_together,
                         "gpu": torch.cuda.get_device_name() if a.device != "cpu" else None},
             "summary": summarize(rs), "results": rs})
         plot(results, a.out / f"{a.name}.png")

@@ -2,9 +2,13 @@
 
 On the CPU every mixer, softmax included, mostly stays on the loss plateau within the
 3,000 steps a run can afford there (docs/quality.md). Whether a larger state buys
-recall capacity needs a longer schedule over many seeds; on one GPU the runs go side
-by side, each in its own process (the models are small: one run alone leaves the GPU
-mostly idle, so the runs share it).
+recall capacity needs a longer schedule over many seeds. The models are small: one run
+alone leaves a GPU mostly idle. The first lease ran the 32 runs side by side, one process
+each, and got about 3 TFLOP/s in total: 32 processes taking turns on the GPU and on 16
+host cores, each bound by its kernel launches. So each mixer's seeds now train together
+in one process, their weights stacked under ``torch.vmap`` (recall_seeds.py: the same
+runs, up to rounding), and the four mixers' processes share the GPU; ``--separate``
+runs the first lease's way, one process per run.
 
     python benchmarks/gpu_quality.py --plan      # the sizing below, from the FLOPs,
                                                  # beside the pace one H200 measured
@@ -91,12 +95,15 @@ def mixer_flops_per_step(mixer: str, T: int, d: int, batch: int) -> float:
 def measured_pace(path: Path, steps: int) -> dict[str, Any] | None:
     """Steps per second per run, by mixer, in a finished study's JSON (runs cut by the
     budget count up to ``cut_at``), and the minutes ``steps`` would take at that pace
-    with as many runs at once; None when there is no such file."""
+    with as many runs at once (in as many processes: seeds trained together share one);
+    None when there is no such file."""
     if not path.exists():
         return None
     results = json.loads(path.read_text())["results"]
     out: dict[str, Any] = {"source": str(path.relative_to(ROOT)) if path.is_relative_to(ROOT)
-                           else str(path), "runs_at_once": len(results)}
+                           else str(path), "runs_at_once": len(results),
+                           "processes": round(sum(1 / r.get("seeds_together", 1)
+                                                  for r in results))}
     for m in sorted({r["mixer"] for r in results}):
         rates = [(r.get("cut_at") or r["steps"]) / r["seconds"] for r in results
                  if r["mixer"] == m]
@@ -127,13 +134,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plan", action="store_true", help="print the sizing; train nothing")
     ap.add_argument("--device", default="cuda", help="cuda (the study) or cpu (--toy)")
     ap.add_argument("--toy", action="store_true",
-                    help="a toy size (T=16, 2 pairs, d 16, 6 steps, 1 seed) to test the code")
+                    help="a toy size (T=16, 2 pairs, d 16, 6 steps, 2 seeds) to test the code")
     ap.add_argument("--seeds", type=int, default=SEEDS)
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--budget-s", type=float, default=420.0,
                     help="wall budget of the whole study (runs are cut there)")
     ap.add_argument("--jobs", type=int, default=None,
-                    help="runs at once (default: all of them, so the budget cuts them alike)")
+                    help="processes at once (default: all of them, so the budget cuts "
+                    "them alike)")
+    ap.add_argument("--separate", action="store_true",
+                    help="one process per run (the first lease's way), not one per mixer")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu_quality")
     a = ap.parse_args(argv)
     if a.plan:
@@ -144,13 +154,15 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_quality: no CUDA device (use --device cpu --toy to test the code)",
               file=sys.stderr)
         return 2
-    T, pairs, d, steps, seeds = (16, 2, 16, 6, 1) if a.toy else (*SIZE, D_MODEL, a.steps,
+    T, pairs, d, steps, seeds = (16, 2, 16, 6, 2) if a.toy else (*SIZE, D_MODEL, a.steps,
                                                                   a.seeds)
-    runs = len(MIXERS) * seeds
+    processes = len(MIXERS) * (seeds if a.separate else 1)
     args = ["--sizes", f"{T}x{pairs}", "--d-model", str(d), "--mixers", ",".join(MIXERS),
             "--lrs", str(LR), "--seeds", ",".join(map(str, range(seeds))),
             "--steps", str(steps), "--device", a.device, "--budget-s", str(a.budget_s),
-            "--jobs", str(a.jobs or runs), "--out", str(a.out), "--name", "recall_gpu"]
+            "--jobs", str(a.jobs or processes), "--out", str(a.out), "--name", "recall_gpu"]
+    if not a.separate:
+        args.append("--seeds-together")
     if a.toy:
         args += ["--eval-every", "2"]
     BR.main(args)

@@ -180,15 +180,18 @@ def test_recall_jitter_moves_every_weight_by_about_its_scale() -> None:
 
 def test_gpu_quality_study_runs_at_a_toy_size_on_cpu(tmp_path: Path) -> None:
     """``make gpu-quality``'s code, at a toy size on the CPU: every mixer of the study
-    trains one seed and the table is printed; the plan counts each mixer's FLOPs."""
+    trains two seeds together in one process and the table is printed; the plan counts
+    each mixer's FLOPs."""
     sys.path.insert(0, str(BENCH))
     import gpu_quality
 
     assert gpu_quality.main(["--device", "cpu", "--toy", "--jobs", "1",
                              "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "recall_gpu.json").read_text())
-    assert sorted(r["mixer"] for r in res["results"]) == sorted(gpu_quality.MIXERS)
-    assert all(r["device"] == "cpu" and "cut_at" not in r for r in res["results"])
+    assert sorted((r["mixer"], r["seed"]) for r in res["results"]) == sorted(
+        (m, s) for m in gpu_quality.MIXERS for s in (0, 1))
+    assert all(r["device"] == "cpu" and "cut_at" not in r and r["seeds_together"] == 2
+               for r in res["results"])
     p = gpu_quality.plan(T=32, d=16, seeds=2, steps=10)
     # hla2 runs two primitive stages where linear runs one; softmax is quadratic in T
     mix = {m: r["mixer_gflop"] for m, r in p["per_mixer"].items()}
@@ -208,7 +211,7 @@ def test_gpu_quality_plan_reads_the_measured_pace(tmp_path: Path) -> None:
     path = tmp_path / "study.json"
     path.write_text(json.dumps({"results": runs}))
     pace = gpu_quality.measured_pace(path, steps=1200)
-    assert pace["runs_at_once"] == 3
+    assert pace["runs_at_once"] == 3 and pace["processes"] == 3
     assert pace["hla2"]["steps_per_s_per_run"] == pytest.approx(4.0)
     assert pace["hla2"]["minutes_for_schedule"] == pytest.approx(5.0)
     assert pace["linear"]["steps_per_s_per_run"] == pytest.approx(10.0)

@@ -112,6 +112,16 @@ def _no_values(x: torch.Tensor) -> bool:
     return x.device.type == "meta" or is_fake(x)
 
 
+def _physical(x: torch.Tensor) -> torch.Tensor:
+    """The tensor under ``torch.vmap``'s wrappers (every level's batch, one host read for
+    all of them); x itself outside vmap."""
+    from torch._C import _functorch as ft
+
+    while ft.is_batchedtensor(x):
+        x = ft.get_unwrapped(x)
+    return x
+
+
 def check_log_decay(
     log_decay: object, q: torch.Tensor, *, check_values: bool = True
 ) -> torch.Tensor | None:
@@ -147,7 +157,7 @@ def check_log_decay(
         )
     elif check_values and log_decay.numel() > 0 and not _no_values(log_decay):
         # (meta and fake tensors, for initialisation and FLOP counting, hold no values)
-        mx = log_decay.detach().max().item()
+        mx = _physical(log_decay.detach()).max().item()
         if not mx <= 0.0:  # also catches NaN
             _fail(ValueError, "log_decay", "values <= 0 (gamma = exp(log_decay) <= 1)", f"max {mx}")
     return g
