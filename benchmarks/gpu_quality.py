@@ -23,10 +23,13 @@ its per-chunk scores, outputs and state updates; the backward is twice the forwa
 That is about 10-15 GFLOP a step, so ``STEPS`` x ``RUNS`` is a few PFLOP: at an assumed
 sustained 20 TFLOP/s (a fraction of an H200's dense fp32/TF32 rate, since these
 matrices are tiny) the FLOPs take a few minutes. Small models are bound by kernel
-launches rather than FLOPs, which no FLOP count sees, so the study also takes a wall
-budget (``--budget-s``, 420 s by default): no run takes a step past it, and a run it
-cut records where (``cut_at``), so the study ends within 8 minutes whatever the GPU's
-pace and the table says which runs finished their schedule.
+launches rather than FLOPs, which no FLOP count sees: the first lease ran the 32 runs at
+222 steps a second in all, about 3 TFLOP/s. With 8 seeds to each kernel, the same rate
+of kernels makes 8 times the seed-steps (``--plan`` prints this model beside the
+measured pace). The study also takes a wall budget (``--budget-s``, 420 s by default):
+no run takes a step past it, and a run it cut records where (``cut_at``), so the study
+ends within 8 minutes whatever the GPU's pace and the table says which runs finished
+their schedule.
 
 Results go to ``runs/gpu_quality/recall_gpu.json`` (and ``.png``), with the markdown
 table printed at the end for docs/quality.md.
@@ -109,7 +112,22 @@ def measured_pace(path: Path, steps: int) -> dict[str, Any] | None:
                  if r["mixer"] == m]
         pace = sum(rates) / len(rates)
         out[m] = {"steps_per_s_per_run": pace, "minutes_for_schedule": steps / pace / 60}
+    out["steps_per_s_total"] = sum((r.get("cut_at") or r["steps"]) / r["seconds"]
+                                   for r in results)
     return out
+
+
+def together_model(measured: dict[str, Any] | None, seeds: int,
+                   steps: int) -> dict[str, Any] | None:
+    """A model, not a measurement: the study's minutes with ``seeds`` seeds to each kernel,
+    if the GPU runs kernels at the rate ``measured`` did with one seed to each (the rate
+    of kernels, not of FLOPs, bounding both)."""
+    if measured is None:
+        return None
+    per_process = measured["runs_at_once"] / max(measured["processes"], 1)
+    rate = measured["steps_per_s_total"] * seeds / per_process  # seed-steps a second
+    return {"seed_steps": len(MIXERS) * seeds * steps, "seed_steps_per_s": rate,
+            "minutes": len(MIXERS) * seeds * steps / rate / 60}
 
 
 def plan(T: int = SIZE[0], d: int = D_MODEL, seeds: int = SEEDS, steps: int = STEPS,
@@ -126,7 +144,8 @@ def plan(T: int = SIZE[0], d: int = D_MODEL, seeds: int = SEEDS, steps: int = ST
     return {"T": T, "d_model": d, "batch": batch, "seeds": seeds, "steps": steps,
             "per_mixer": rows, "total_pflop": total / 1e15, "assumed_tflops": tflops,
             "minutes_at_assumed_rate": total / (tflops * 1e12) / 60,
-            "measured": measured_pace(MEASURED, steps)}
+            "measured": (measured := measured_pace(MEASURED, steps)),
+            "seeds_together_if_kernel_bound": together_model(measured, seeds, steps)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -215,7 +215,12 @@ def test_gpu_quality_plan_reads_the_measured_pace(tmp_path: Path) -> None:
     assert pace["hla2"]["steps_per_s_per_run"] == pytest.approx(4.0)
     assert pace["hla2"]["minutes_for_schedule"] == pytest.approx(5.0)
     assert pace["linear"]["steps_per_s_per_run"] == pytest.approx(10.0)
+    assert pace["steps_per_s_total"] == pytest.approx(2 + 6 + 10)
     assert gpu_quality.measured_pace(tmp_path / "none.json", steps=10) is None
+    # 3 runs of one seed each at 18 steps/s in all: 4 seeds to a kernel make 72 seed-steps/s
+    model = gpu_quality.together_model(pace, seeds=4, steps=90)
+    assert model["seed_steps_per_s"] == pytest.approx(72.0)
+    assert model["minutes"] == pytest.approx(len(gpu_quality.MIXERS) * 4 * 90 / 72 / 60)
 
 
 def test_recall_budget_cuts_runs_and_says_where(tmp_path: Path) -> None:

@@ -98,3 +98,14 @@ def test_bench_gqa_writes_ratios(tmp_path: Path) -> None:
     assert set(res["ratio_to_G1"]) == {"1", "2", "4"}
     assert res["ratio_to_G1"]["1"] == 1.0
     assert all(math.isfinite(r) and r > 0 for r in res["ratio_to_G1"].values())
+
+
+def test_bench_seeds_together_writes_both_ways(tmp_path: Path) -> None:
+    """bench_seeds_together.py times a seed-step alone and together and writes the ratio."""
+    _run([str(BENCH / "bench_seeds_together.py"), "--mixers", "linear", "--seeds", "2",
+          "--steps", "2", "--out", str(tmp_path)], tmp_path)
+    row = json.loads((tmp_path / "seeds_together.json").read_text())["mixers"]["linear"]
+    assert all(_finite(row[k]) for k in ("ms_per_seed_step_alone",
+                                         "ms_per_seed_step_together", "ratio"))
+    assert row["ratio"] == pytest.approx(row["ms_per_seed_step_together"]
+                                         / row["ms_per_seed_step_alone"])
