@@ -5,7 +5,7 @@ from ``hla_sp``) by its entry in the table, so a new built-in needs no export li
 """
 
 from hla_sp.config import BUILTIN_OPERATORS
-from hla_sp.ops import operators
+from hla_sp.ops import operators, vmap_rules  # noqa: F401  (registers the vmap rules)
 from hla_sp.ops.fused import hla2_fused as hla2_fused
 from hla_sp.ops.runner import run_operator as run_operator
 
