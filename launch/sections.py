@@ -25,6 +25,8 @@ __all__ = ["HLA_FLAG", "ModelConfig", "OptimizerConfig", "ParallelismConfig",
 # (the one definition of the HLA flags, which Megatron's pretrain_gpt shares).
 HLA_FLAG = {"hla_flag": True}
 
+FP32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max, without importing torch
+
 # (lo, hi) ends: "[" / "(" closed / open; hi None: unbounded. None values are skipped.
 Range = tuple[str, float, float | None, str]
 
@@ -283,6 +285,15 @@ class OptimizerConfig(Section):
             )
         if self.min_lr > self.lr:
             raise ConfigError(f"--min-lr {self.min_lr} must be <= --lr {self.lr}.")
+        # AdamW's first step moves the fp32 masters by --lr / (1 - beta1) (its bias
+        # correction); past fp32's largest number the optimizer raises mid-step.
+        most = FP32_MAX * (1.0 - self.adam_beta1)
+        if self.lr > most:
+            raise ConfigError(
+                f"--lr: expected at most {most:.3g} (AdamW's first step is --lr / "
+                f"(1 - --adam-beta1) = {self.lr / (1.0 - self.adam_beta1):.3g}, past fp32's "
+                f"largest number), got {self.lr:g}"
+            )
 
 
 @dataclass

@@ -38,6 +38,8 @@ from hla_sp.launch.config import ConfigError, parse_args
         ("--vocab-size 0", "--vocab-size: expected a finite value in [1, inf], got 0"),
         ("--seed -1", "--seed: expected"),
         ("--adam-eps 0", "--adam-eps: expected a finite value in (0, inf], got 0.0"),
+        ("--lr 1e38", "--lr: expected at most 3.4e+37 (AdamW's first step is --lr / "
+                      "(1 - --adam-beta1) = 1e+39, past fp32's largest number), got 1e+38"),
     ],
 )
 def test_impossible_flags_are_refused_by_name(argv: str, needle: str) -> None:

@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from ci_env import skip_or_fail
 from hla_sp.launch.checks import validate
 from hla_sp.launch.compiling import BACKEND_ENV
 from hla_sp.launch.config import ConfigError, parse_args
@@ -54,7 +55,7 @@ def _inductor_ran(d: Path, name: str) -> bool:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LocalRun]:
     if shutil.which("cc") is None and shutil.which("gcc") is None:
-        pytest.skip("inductor's CPU kernels need a C compiler")
+        skip_or_fail("inductor's CPU kernels need a C compiler (cc or gcc on PATH)")
     d = tmp_path_factory.mktemp("compile")
     out = {
         "eager": _run([], 1, d, "eager"),

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ci_env import skip_or_fail
 
 ROOT = Path(__file__).resolve().parents[1]
 PY312 = Path(os.environ.get("HLA_SP_VENV312", ROOT / ".venv312")) / "bin" / "python"
@@ -58,11 +59,6 @@ BASE = [
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.Ee+-]+)")
 
 
-def in_ci() -> bool:
-    """Whether this is CI, where a missing environment is a failure, not a skip."""
-    return os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
-
-
 def require(version: str) -> None:
     """Skip (fail under CI) unless the 3.12 environment with this version is built."""
     missing = [str(p) for p in (PY312, MCORE_DIR / version / "megatron" / "training")
@@ -70,9 +66,7 @@ def require(version: str) -> None:
     if missing:
         msg = (f"megatron-core {version} for Python 3.12 is not set up ({', '.join(missing)} "
                "missing); run `make setup-megatron`")
-        if in_ci():
-            pytest.fail(msg + " (CI: these tests must run)")
-        pytest.skip(msg)
+        skip_or_fail(msg)
 
 
 def free_port() -> int:
