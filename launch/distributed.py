@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from typing import Any
 from datetime import timedelta
 
 import torch
@@ -36,6 +37,13 @@ class Topology:
     @property
     def is_first(self) -> bool:
         return self.rank == 0
+
+    @property
+    def cp_group(self) -> Any:
+        """Megatron's context-parallel process group of this rank (a world of one at CP 1)."""
+        from megatron.core import parallel_state as ps
+
+        return ps.get_context_parallel_group()
 
 
 def init_distributed(tp: int, cp: int, timeout_minutes: float) -> Topology:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 # ``HLA_SP_DEBUG=1`` (``hla-sp train --debug``): tracebacks for every error, and
@@ -84,3 +86,62 @@ def summarize_reports(reports: list[dict[str, Any]]) -> list[str]:
         return list(by_msg)
     return [f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {m}"
             for m, r in by_msg.items()]
+
+
+@dataclass
+class Failure:
+    """One worker's unexpected error, as it reports it to the launcher."""
+
+    rank: int
+    world_size: int
+    own: bool  # this rank's own error (not a collective's that a peer may have caused)
+    error: str  # "Type: first line" of the root cause
+    where: str  # "0.1 s into iteration 3" or "while saving iteration 2"
+    lines: list[str]  # what the worker would have printed, in order
+    traceback: str = ""  # empty where no traceback helps (a stop from outside, an OOM)
+    time: float = field(default_factory=time.time)
+
+
+def write_failure(where: str, failure: Failure) -> bool:
+    """Write ``failure`` to the report directory (whole or not at all); False if it
+    could not be written (the worker then prints it itself)."""
+    tmp = os.path.join(where, f".failure{failure.rank}.json.tmp")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(asdict(failure), f)
+        os.replace(tmp, os.path.join(where, f"failure{failure.rank}.json"))
+    except (OSError, TypeError, ValueError):
+        return False
+    return True
+
+
+def read_failures(where: str) -> list[Failure]:
+    """The unexpected errors the workers wrote to ``where``, the first failure first:
+    a rank's own error before a collective's (whose cause is a peer), then by time."""
+    out = []
+    with contextlib.suppress(OSError):
+        for name in sorted(os.listdir(where)):
+            if name.startswith("failure") and name.endswith(".json"):
+                with contextlib.suppress(OSError, ValueError, TypeError):
+                    with open(os.path.join(where, name)) as f:
+                        out.append(Failure(**json.load(f)))
+    return sorted(out, key=lambda x: (not x.own, x.time, x.rank))
+
+
+def summarize_failures(failures: list[Failure], prog: str) -> tuple[str, str]:
+    """(the first failure's traceback, one summary line) for a run whose workers failed
+    on unexpected errors; the later ranks' reports are folded into the line."""
+    first = failures[0]
+    # "raised as", the diagnosis and advice; not the "own error" line, which the ranks
+    # that stopped after it say better
+    detail = [ln.split(": ", 1)[1] for ln in first.lines[1:]
+              if ": " in ln and "this rank's own error" not in ln]
+    line = (f"{prog}: error: rank {first.rank}/{first.world_size} stopped by {first.error} "
+            f"({first.where})")
+    if detail:
+        line += "; " + "; ".join(detail)
+    others = sorted(f.rank for f in failures[1:])
+    if others:
+        line += (f"; rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} "
+                 f"stopped after it")
+    return first.traceback, line

@@ -33,6 +33,7 @@ from hla_sp.launch import eval_report, faults, metrics  # noqa: E402
 from hla_sp.launch.distributed import Topology, init_distributed, shutdown  # noqa: E402
 from hla_sp.launch.eval_tasks import bucket_of, buckets, passkey  # noqa: E402
 from hla_sp.launch.evaluate import Plan, build_parser, make_plan, prepare_output  # noqa: E402
+from hla_sp.megatron_patch.compat import cp_split  # noqa: E402
 
 PROG = "hla-sp eval"
 
@@ -40,13 +41,13 @@ PROG = "hla-sp eval"
 def _local(tokens: np.ndarray, device: torch.device) -> dict[str, torch.Tensor]:
     """This rank's share of one sequence of ``length + 1`` tokens: inputs, labels and
     global positions [1, length / P] each."""
-    from megatron.core.utils import get_batch_on_this_cp_rank
+    from megatron.core import parallel_state as ps
 
     x = torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64)).to(device)
     n = x.numel() - 1
-    return get_batch_on_this_cp_rank({
+    return cp_split({
         "tokens": x[None, :-1], "labels": x[None, 1:],
-        "position_ids": torch.arange(n, device=device)[None]})
+        "position_ids": torch.arange(n, device=device)[None]}, ps.get_context_parallel_group())
 
 
 def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:

@@ -319,21 +319,29 @@ def report_known(err: BaseException, prefix: str = "hla-sp train") -> None:
 
 
 def report_failure(
-    rank: int, world_size: int, err: BaseException, with_traceback: bool = False
+    rank: int, world_size: int, err: BaseException, with_traceback: bool = False,
+    advice: str | None = None,
 ) -> str:
-    """Print why this rank stopped (``err``'s traceback first if ``with_traceback``), the
-    root cause first; return the last line printed.
+    """Say why this rank stopped (``err``'s traceback first if ``with_traceback``), the
+    root cause first, then ``advice`` if given; return the last line.
 
     Only an error that came out of a collective can be a peer's fault: then the
     heartbeats say which peer died, failed or hangs (the "diagnosis" line). An error of
     this rank's own (bad data, a checkpoint, a full disk, NaN) is published to the store
     so that the peers, which see only a broken collective, can name it.
+
+    Under ``hla-sp train`` (:data:`errors.REPORT_ENV` set, no ``HLA_SP_DEBUG``) the lines
+    and the traceback go to the launcher's report directory instead of stderr: the
+    launcher prints the first failing rank's traceback once and one summary line, not
+    one traceback per rank.
     """
     global _diagnosing
     # first, before the traceback: formatting it reads source files, slow enough on a
     # loaded machine for torchrun's SIGTERM to land inside it and cut the report short
     _diagnosing = True
-    if with_traceback:
+    where_reports = os.environ.get(errors.REPORT_ENV)
+    to_launcher = bool(where_reports) and os.path.isdir(where_reports) and not errors.debug()
+    if with_traceback and not to_launcher:
         traceback.print_exception(err, file=sys.stderr)
     chain = _chain(err)
     root = next((e for e in chain if isinstance(e, OSError) and e.errno == errno.ENOSPC),
@@ -345,17 +353,13 @@ def report_failure(
         where = f"while saving iteration {saving}"
     else:
         where = f"{elapsed:.1f} s into iteration {it + 1}"
-    print(
-        f"[hla-sp] rank {rank}/{world_size}: training stopped by {_describe(root)} ({where})",
-        file=sys.stderr,
-        flush=True,
-    )
+    lines = [f"[hla-sp] rank {rank}/{world_size}: training stopped by {_describe(root)} "
+             f"({where})"]
     if root is not err:
-        print(
-            f"[hla-sp] rank {rank}: raised as {_describe(err)}",
-            file=sys.stderr,
-            flush=True,
-        )
+        lines.append(f"[hla-sp] rank {rank}: raised as {_describe(err)}")
+    if not to_launcher:
+        for line in lines:
+            print(line, file=sys.stderr, flush=True)
     collective = _is_collective_error(chain)
     store = _store()
     if store is not None:
@@ -372,8 +376,20 @@ def report_failure(
             f"[hla-sp] rank {rank}: this rank's own error (not a peer's, not the network); "
             f"the other ranks stop when they next wait for it"
         )
-    print(msg, file=sys.stderr, flush=True)
-    return msg
+    tail = [msg] + ([f"[hla-sp] rank {rank}: {advice}"] if advice else [])
+    if to_launcher:
+        text = "".join(traceback.format_exception(err)) if with_traceback else ""
+        if errors.write_failure(where_reports, errors.Failure(
+                rank=rank, world_size=world_size, own=not collective, error=_describe(root),
+                where=where, lines=lines + tail, traceback=text)):
+            return tail[-1]
+        if text:  # no report directory after all: say it here
+            sys.stderr.write(text)
+        for line in lines:
+            print(line, file=sys.stderr, flush=True)
+    for line in tail:
+        print(line, file=sys.stderr, flush=True)
+    return tail[-1]
 
 
 def maybe_inject(rank: int, iteration: int, phase: str = "step") -> None:

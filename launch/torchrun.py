@@ -11,9 +11,13 @@ The same arguments and behaviour as ``torchrun``, except:
 * on an error of a known kind in the workers (a flag, a checkpoint, a data file): the
   workers write it to a report directory instead of printing it, and this process
   prints it once, in one line (however many ranks raised it), and leaves with the
-  workers' status, without torchrun's ``ChildFailedError`` summary. Any other failure
-  keeps torchrun's summary. ``HLA_SP_DEBUG=1`` keeps everything as torchrun has it, the
-  workers' tracebacks included.
+  workers' status, without torchrun's ``ChildFailedError`` summary.
+* on any other error in the workers: they write their traceback and diagnosis there
+  too, and this process prints the first failing rank's traceback once, then one
+  summary line (the ranks that failed after it folded in). A worker killed before it
+  could report (SIGKILL) leaves only torchrun's summary, which is kept then.
+  ``HLA_SP_DEBUG=1`` keeps everything as torchrun has it, every worker's traceback
+  included.
 """
 
 from __future__ import annotations
@@ -42,9 +46,10 @@ class _DropFailedLine(logging.Filter):
         self.reports = reports
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from hla_sp.launch.errors import read_reports
+        from hla_sp.launch.errors import read_failures, read_reports
 
-        return not ("failed (exitcode" in record.getMessage() and read_reports(self.reports))
+        return not ("failed (exitcode" in record.getMessage()
+                    and (read_reports(self.reports) or read_failures(self.reports)))
 
 
 def known_failure(failures: dict[int, object], reports: list[dict]) -> int:
@@ -79,12 +84,21 @@ def main(argv: list[str] | None = None, prog: str = "hla-sp train") -> int:
         except SignalException as e:
             return 128 + int(e.sigval)
         except ChildFailedError as e:
-            found = errors.read_reports(reports)
-            if not found or errors.debug():
+            if errors.debug():
                 raise
-            for line in errors.summarize_reports(found):
-                print(f"{prog}: error: {line}", file=sys.stderr, flush=True)
-            return known_failure(e.failures, found)
+            found = errors.read_reports(reports)
+            if found:
+                for line in errors.summarize_reports(found):
+                    print(f"{prog}: error: {line}", file=sys.stderr, flush=True)
+                return known_failure(e.failures, found)
+            failures = errors.read_failures(reports)
+            if not failures:
+                raise
+            text, line = errors.summarize_failures(failures, prog)
+            sys.stderr.write(text)
+            print(line, file=sys.stderr, flush=True)
+            status = getattr(e.failures.get(failures[0].rank), "exitcode", 1)
+            return status if isinstance(status, int) and status > 0 else 1
     return 0
 
 

@@ -166,14 +166,14 @@ def run(
             os._exit(faults.KNOWN_EXIT)
         heartbeat.stop()
         oom = _is_oom(err)
+        advice = None
+        if oom:
+            from hla_sp.launch.estimate import advice as memory_advice
+
+            advice = f"out of memory; {memory_advice(cfg, topo.world_size)}"
         # a stop from outside or an OOM needs no traceback
         faults.report_failure(topo.rank, topo.world_size, err, with_traceback=not oom
-                              and not isinstance(err, faults.StoppedByLauncher))
-        if oom:
-            from hla_sp.launch.estimate import advice
-
-            print(f"[hla-sp] rank {topo.rank}: out of memory; {advice(cfg, topo.world_size)}",
-                  file=sys.stderr, flush=True)
+                              and not isinstance(err, faults.StoppedByLauncher), advice=advice)
         if not exit_on_error:
             raise
         # a broken group can hang in destroy or atexit; leave now, non-zero

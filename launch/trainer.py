@@ -33,6 +33,7 @@ from hla_sp.launch.distributed import Topology
 from hla_sp.launch.nonfinite import NonFiniteError, non_finite, stop_line
 from hla_sp.launch.profiling import StepProfiler
 from hla_sp.launch.throughput import step_throughput
+from hla_sp.megatron_patch.compat import cp_split
 
 
 class Trainer:
@@ -62,10 +63,8 @@ class Trainer:
 
     # -- one optimizer step ---------------------------------------------------------
     def _cp_slice(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        from megatron.core.utils import get_batch_on_this_cp_rank
-
         batch = {k: v.to(self.topo.device) for k, v in batch.items()}
-        return get_batch_on_this_cp_rank(batch)
+        return cp_split(batch, self.topo.cp_group)
 
     def _batches(self, samples: Any, consumed: int) -> list[dict[str, torch.Tensor]]:
         """This rank's CP share of its microbatches of the global batch at ``consumed``."""

@@ -194,6 +194,23 @@ def test_debug_switch_shows_tracebacks(run_dir: Path) -> None:
     assert "Traceback" in p.stderr and "cannot read the model" in p.stderr
 
 
+def test_an_unexpected_worker_error_is_one_traceback_and_one_line(tmp_path: Path) -> None:
+    """Issue 52, item 3: rank 1 raises an error of no known kind; the launcher prints its
+    traceback once and one summary line naming rank 1 and rank 0 (which stopped after it),
+    without the workers' own report lines or torchrun's ChildFailedError dump."""
+    p = _hla_sp(["train", *TINY, "--train-iters", "4"], tmp_path,
+                {"HLA_SP_FAULT": "1:2:raise"})
+    assert p.returncode == 1, p.stdout + p.stderr
+    err = p.stderr
+    assert err.count("Traceback (most recent call last)") == 1, err
+    for noise in ("ChildFailedError", "[hla-sp] rank", "Root Cause", "failed (exitcode"):
+        assert noise not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("hla-sp train: error: rank 1/2 stopped by RuntimeError: "
+                           "HLA_SP_FAULT: injected error on rank 1 at iteration 2"), err
+    assert last.endswith("; rank 0 stopped after it"), err
+
+
 # --- the pieces, in-process -----------------------------------------------------------------
 
 
@@ -278,3 +295,37 @@ def test_a_peer_died_is_said_only_when_one_did(
     store.d.pop("hla_sp/failed/1")
     faults.report_failure(0, 2, dist.DistBackendError("Connection closed by peer"))
     assert "rank(s) 1 (last finished iteration 0) stopped responding" in capsys.readouterr().err
+
+
+def test_failures_are_ordered_own_error_first_then_by_time(tmp_path: Path) -> None:
+    def failure(rank: int, own: bool, t: float, tb: str = "") -> errors.Failure:
+        return errors.Failure(rank=rank, world_size=3, own=own, error=f"E{rank}: x",
+                              where="1.0 s into iteration 2", traceback=tb, time=t,
+                              lines=[f"[hla-sp] rank {rank}/3: training stopped by E{rank}: x",
+                                     f"[hla-sp] rank {rank}: diagnosis: peer {rank} gone"])
+    # rank 0's collective error came first in time, but rank 2's own error is the cause
+    for f in (failure(0, False, 1.0), failure(2, True, 2.0, "TB2\n"), failure(1, False, 3.0)):
+        assert errors.write_failure(str(tmp_path), f)
+    (tmp_path / "failure9.json").write_text("{not json")  # a torn write is skipped
+    found = errors.read_failures(str(tmp_path))
+    assert [f.rank for f in found] == [2, 0, 1]
+    text, line = errors.summarize_failures(found, "hla-sp train")
+    assert text == "TB2\n"
+    assert line == ("hla-sp train: error: rank 2/3 stopped by E2: x (1.0 s into iteration 2); "
+                    "diagnosis: peer 2 gone; ranks 0, 1 stopped after it")
+
+
+def test_a_worker_writes_its_failure_for_the_launcher(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    monkeypatch.setenv(errors.REPORT_ENV, str(tmp_path))
+    monkeypatch.delenv(errors.DEBUG_ENV, raising=False)
+    monkeypatch.setattr(faults, "_store", lambda: None)
+    try:
+        raise RuntimeError("bad batch")
+    except RuntimeError as e:
+        faults.report_failure(0, 1, e, with_traceback=True, advice="try less")
+    assert capsys.readouterr().err == ""  # said by the launcher, not here
+    (f,) = errors.read_failures(str(tmp_path))
+    assert f.own and f.error == "RuntimeError: bad batch" and "raise RuntimeError" in f.traceback
+    assert f.lines[-1] == "[hla-sp] rank 0: try less"
