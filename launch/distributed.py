@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist

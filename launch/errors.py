@@ -122,9 +122,9 @@ def read_failures(where: str) -> list[Failure]:
     with contextlib.suppress(OSError):
         for name in sorted(os.listdir(where)):
             if name.startswith("failure") and name.endswith(".json"):
-                with contextlib.suppress(OSError, ValueError, TypeError):
-                    with open(os.path.join(where, name)) as f:
-                        out.append(Failure(**json.load(f)))
+                with contextlib.suppress(OSError, ValueError, TypeError), \
+                        open(os.path.join(where, name)) as f:
+                    out.append(Failure(**json.load(f)))
     return sorted(out, key=lambda x: (not x.own, x.time, x.rank))
 
 
