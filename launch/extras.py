@@ -39,3 +39,16 @@ def require(extra: str, command: str) -> None:
             f'{command} needs {what} ({module}), which is not installed: '
             f'pip install "hla-sp[{extra}]"'
         )
+    if extra == "megatron":
+        _megatron_version(command)
+
+
+def _megatron_version(command: str) -> None:
+    """Refuse a megatron-core older than the tested ones (one line); a newer one runs
+    with a warning."""
+    from hla_sp.megatron_patch.compat import check_version
+
+    try:
+        check_version(command)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

@@ -1,5 +1,8 @@
 """What differs between megatron-core releases, decided by what the installed one offers.
 
+* :func:`version_check`: the megatron-core releases the test suite runs
+  (:data:`TESTED_VERSIONS`): an older one is refused, a newer one is said to be
+  untested.
 * :func:`cp_split`: ``get_batch_on_this_cp_rank``. From 0.18 it takes a required
   ``is_hybrid_cp`` and reads ``cp_group=None`` as the WORLD group (before 0.18, None
   meant parallel_state's CP group). We always pass ``is_hybrid_cp=False`` where the
@@ -27,11 +30,77 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.metadata
 import inspect
+import itertools
+import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 PRETRAIN_ROUTES = ("legacy", "provider", "config")
+# The megatron-core releases the test suite runs hla-sp train and pretrain() on: 0.16.1 in
+# the Python 3.11 environment, the rest (which need Python >= 3.12) in .venv312 (the
+# Makefile's MCORE_VERSIONS, checked against this by tests/test_megatron_versions.py).
+# pyproject's ``megatron`` extra stops at the newest.
+TESTED_VERSIONS = ("0.16.1", "0.17.1", "0.18.0", "0.19.2")
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The numeric release of a version string: "0.19.2rc1" -> (0, 19, 2)."""
+    out = []
+    for part in version.split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+def installed_version() -> str | None:
+    """The installed megatron-core's version (None if it is not installed)."""
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+_warned: set[str] = set()
+
+
+def check_version(prog: str) -> None:
+    """:func:`version_check` for a command: raise for a release older than the tested
+    ones; print the warning for a newer one once, on rank 0 only (every worker checks).
+
+    Raises:
+        ValueError: the installed megatron-core is older than ``TESTED_VERSIONS[0]``.
+    """
+    warning = version_check()
+    if warning and warning not in _warned and os.environ.get("RANK", "0") == "0":
+        _warned.add(warning)
+        print(f"{prog}: warning: {warning}", file=sys.stderr, flush=True)
+
+
+def version_check(version: str | None = None) -> str | None:
+    """Refuse a megatron-core older than the oldest tested; for one newer than the newest
+    tested, return a one-line warning (None when it is a tested range's release).
+
+    Raises:
+        ValueError: ``version`` is older than ``TESTED_VERSIONS[0]``.
+    """
+    version = installed_version() if version is None else version
+    if version is None:
+        return None
+    oldest, newest = TESTED_VERSIONS[0], TESTED_VERSIONS[-1]
+    if _release(version) < _release(oldest):
+        raise ValueError(f"megatron-core: expected >= {oldest} (the oldest release hla-sp is "
+                         f"tested on), got {version}: pip install \"megatron-core>={oldest},"
+                         f"<={newest}\"")
+    if _release(version) > _release(newest):
+        return (f"megatron-core {version} is newer than the newest release hla-sp is tested "
+                f"on ({newest}); it may work. If it fails: pip install "
+                f"\"megatron-core=={newest}\"")
+    return None
 
 
 def pretrain_api(pretrain: Callable, argument_utils: Any = None) -> str:

@@ -352,6 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # the user's operators first: they are --attention's choices (each worker runs this)
         import_custom(custom_imports(argv))
+        compat.check_version("hla_sp.megatron_patch.pretrain_gpt")  # refuse old, warn new
         ns = prescan(argv)
         user_spec = None
         if ns.spec and not hla_enabled(ns) and ns.spec != ["local"]:

@@ -29,11 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ci_env import skip_or_fail
+from ci_env import MCORE_DIR, PY312, ROOT, require_megatron
 
-ROOT = Path(__file__).resolve().parents[1]
-PY312 = Path(os.environ.get("HLA_SP_VENV312", ROOT / ".venv312")) / "bin" / "python"
-MCORE_DIR = Path(os.environ.get("HLA_SP_MCORE_DIR", ROOT / ".mcore"))
 SHIM = ROOT / "tests" / "megatron_cpu"
 # version -> the pretrain API it has (hla_sp.megatron_patch.compat.pretrain_api)
 VERSIONS = {"0.17.1": "legacy", "0.18.0": "provider", "0.19.2": "config"}
@@ -59,14 +56,7 @@ BASE = [
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.Ee+-]+)")
 
 
-def require(version: str) -> None:
-    """Skip (fail under CI) unless the 3.12 environment with this version is built."""
-    missing = [str(p) for p in (PY312, MCORE_DIR / version / "megatron" / "training")
-               if not p.exists()]
-    if missing:
-        msg = (f"megatron-core {version} for Python 3.12 is not set up ({', '.join(missing)} "
-               "missing); run `make setup-megatron`")
-        skip_or_fail(msg)
+require = require_megatron
 
 
 def free_port() -> int:
