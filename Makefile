@@ -47,7 +47,7 @@ setup-megatron: $(STAMP312)
 
 test: $(STAMP) setup-megatron
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -m "not slow" --timeout=900 --durations=25
+	$(PY) -m pytest -q -m "not slow" --timeout=900 --durations=25  # all durations: runs/test-durations.json
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow --timeout=1800

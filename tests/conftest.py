@@ -48,3 +48,30 @@ def group(tmp_path) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+# --- test durations, kept -----------------------------------------------------------------
+# Every run writes each test's wall time (setup + call + teardown) to DURATIONS, slowest
+# first, so the slowest tests of a CI run can be read after it (pytest's --durations only
+# prints them). HLA_SP_TEST_DURATIONS names another file; an empty value turns it off.
+DURATIONS = "runs/test-durations.json"
+_durations: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    import json
+    import os
+
+    path = os.environ.get("HLA_SP_TEST_DURATIONS", str(session.config.rootpath / DURATIONS))
+    if not path or not _durations:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    rows = sorted(_durations.items(), key=lambda kv: -kv[1])
+    with open(path, "w") as f:
+        json.dump({"exitstatus": int(exitstatus), "total_s": round(sum(_durations.values()), 2),
+                   "tests": [{"nodeid": k, "seconds": round(v, 3)} for k, v in rows]}, f,
+                  indent=1)
