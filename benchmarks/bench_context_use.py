@@ -8,7 +8,7 @@ bytes of the standard library's sources and kept with ``--save-models``:
         --seeds 0,1 --save-models runs/ctx/models --out runs/ctx --name ctx_lm
 
 This script scores each kept model, on text no model has seen (past the 2M training
-bytes), with the measurements of ``hla-sp eval`` (:mod:`hla_sp.launch.eval_tasks`: the
+bytes), with the measurements of ``hla-sp eval`` (:mod:`hla_sp.launch.eval.tasks`: the
 same log-spaced position buckets, the same passkey prompts and scoring):
 
 - ``ppl``: the loss per position bucket ([0, 256), [256, 512), ... up to --ppl-length,
@@ -41,9 +41,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_recall import RecallLM
-from hla_sp.launch.data import ArrayTokens, builtin_text_tokens
-from hla_sp.launch.eval_tasks import TextWindows, bucket_of, buckets, passkey
-from hla_sp.launch.tokenizer import load_tokenizer
+from hla_sp.launch.data.datasets import ArrayTokens, builtin_text_tokens
+from hla_sp.launch.data.tokenizer import load_tokenizer
+from hla_sp.launch.eval.tasks import TextWindows, bucket_of, buckets, passkey
 
 TRAIN_BYTES = 2_000_000  # bench_lm's corpus: the windows start past it
 

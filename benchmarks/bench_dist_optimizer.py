@@ -4,7 +4,7 @@ Each launch trains a small GPT (--bf16) for a few steps under torchrun on gloo; 
 rank reports the bytes of its optimizer state (the fp32 tensors AdamW steps and its two
 moments, this rank's rows of them when sharded), its peak RSS (VmHWM), its RSS after
 the steps (VmRSS) and the memory
-model's weights, gradients and AdamW per rank (``launch/estimate.py``).
+model's weights, gradients and AdamW per rank (``launch/model/estimate.py``).
 
     python benchmarks/bench_dist_optimizer.py                 # DP 2 and DP 4
     python benchmarks/bench_dist_optimizer.py --out benchmarks/results
@@ -36,12 +36,12 @@ def _rss() -> int:
 def worker(flags: list[str], out: str) -> None:
     """One rank: train, then write this rank's figures to ``out``.rank<r>.json."""
     import torch.distributed as dist
-    from hla_sp.launch import metrics
-    from hla_sp.launch.config import parse_args
-    from hla_sp.launch.dist_optimizer import optimizer_state_bytes
-    from hla_sp.launch.distributed import init_distributed, shutdown
-    from hla_sp.launch.estimate import estimate
-    from hla_sp.launch.trainer import Trainer
+    from hla_sp.launch.config.train_config import parse_args
+    from hla_sp.launch.distributed.dist_optimizer import optimizer_state_bytes
+    from hla_sp.launch.distributed.process_groups import init_distributed, shutdown
+    from hla_sp.launch.model.estimate import estimate
+    from hla_sp.launch.train import metrics
+    from hla_sp.launch.train.trainer import Trainer
 
     cfg = parse_args(flags)
     topo = init_distributed(1, 1, 10)
@@ -59,7 +59,7 @@ def worker(flags: list[str], out: str) -> None:
 
 def launch(nproc: int, sharded: bool, out: str) -> list[dict]:
     flags = [*MODEL, *(["--use-distributed-optimizer"] if sharded else [])]
-    from hla_sp.launch.local import worker_env
+    from hla_sp.launch.distributed.local import worker_env
 
     env = worker_env(None)  # hla-sp train's: one thread, the fixed mmap threshold
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",

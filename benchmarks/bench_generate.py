@@ -6,7 +6,7 @@ take turns step by step, so a change of load weighs on all alike). Three decoder
 equal width, depth, heads and MLP:
 
 * ``hla2 (hla-sp generate)``: the megatron-core GPTModel of the trainer, decoded by
-  :mod:`hla_sp.launch.generate` (real prefill, then one-token forwards with each
+  :mod:`hla_sp.launch.export.generate` (real prefill, then one-token forwards with each
   layer's recurrent state): what the command runs;
 * ``hla2 (plain torch)``: a plain PyTorch model whose layers are
   :class:`hla_sp.nn.HLAttention` (``step`` with its state), real prefill;
@@ -157,8 +157,8 @@ def check_softmax_cache(model: PlainLM, gen: torch.Generator) -> float:
 
 def build_gpt(args: argparse.Namespace, vocab: int) -> torch.nn.Module:
     """The trainer's GPTModel (hla2, its default options) at this width."""
-    from hla_sp.launch.config import parse_args
-    from hla_sp.launch.model import build_model
+    from hla_sp.launch.config.train_config import parse_args
+    from hla_sp.launch.model.build import build_model
 
     cfg = parse_args(["--num-layers", str(args.layers), "--hidden-size", str(args.hidden),
                       "--num-attention-heads", str(args.heads), "--ffn-hidden-size",
@@ -169,7 +169,7 @@ def build_gpt(args: argparse.Namespace, vocab: int) -> torch.nn.Module:
 
 
 def prefill_gpt(dec, L: int, gen: torch.Generator):
-    """The prompt through hla_sp.launch.generate's decoder: (first token, seconds)."""
+    """The prompt through hla_sp.launch.export.generate's decoder: (first token, seconds)."""
     prompt = torch.randint(0, 257, (1, L), generator=gen)
     t = time.perf_counter()
     first = dec.advance(prompt)[:, -1:].argmax(-1)
@@ -192,7 +192,7 @@ def prefill_plain(model: PlainLM, L: int, capacity: int, gen: torch.Generator):
 def bench_context(gpt: torch.nn.Module, plain: dict[str, PlainLM], args: argparse.Namespace,
                   L: int, gen: torch.Generator) -> dict[str, dict]:
     """Prefill L tokens in every decoder, then time their decode steps in turns."""
-    from hla_sp.launch.generate import Decoder
+    from hla_sp.launch.export.generate import Decoder
 
     with torch.no_grad(), Decoder(gpt) as dec:
         first, prefill = {}, {}
@@ -246,8 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     warnings.simplefilter("ignore")
     torch.set_num_threads(args.threads)
-    from hla_sp.launch.generate import single_process
-    from hla_sp.launch.model import padded_vocab_size
+    from hla_sp.launch.export.generate import single_process
+    from hla_sp.launch.model.build import padded_vocab_size
 
     vocab = padded_vocab_size(257, 128, 1)  # the trainer's byte vocabulary, padded
     load = os.getloadavg()

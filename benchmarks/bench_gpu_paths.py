@@ -44,7 +44,7 @@ def measure(fn: Callable[[], None], device: str, reps: int) -> tuple[float, floa
 def loss_paths(device: str, tokens: int, width: int, vocab: int, padded: int,
                chunk: int, reps: int = 5) -> list[dict[str, Any]]:
     """Plain and chunked loss at ``tokens`` x ``width`` against ``padded`` output rows."""
-    from hla_sp.launch.chunked_loss import chunked_cross_entropy
+    from hla_sp.launch.model.loss import chunked_cross_entropy
 
     dt = torch.bfloat16
     g = torch.Generator(device=device).manual_seed(0)

@@ -1,7 +1,7 @@
 """Language modelling on the built-in byte corpus: HLA against linear and softmax attention.
 
 The same small model as ``bench_recall`` (pre-norm blocks of mixer + 4x MLP), byte-level
-tokens of the Python standard library's sources (``hla_sp.launch.data``, no download),
+tokens of the Python standard library's sources (``hla_sp.launch.data.datasets``, no download),
 a train block and a held-out validation block of windows, equal steps and nearly equal
 parameters for every mixer (the layers differ by their conv taps and per-head weights,
 counted in the output). AdamW, warmup and cosine, gradient clipping at 1.0. Softmax
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_recall import MIXERS, ROOT, RecallLM, make_optimizer
 from grid_runs import run_parallel, save_merged
-from hla_sp.launch.data import BYTE_VOCAB, builtin_text_tokens
+from hla_sp.launch.data.datasets import BYTE_VOCAB, builtin_text_tokens
 
 DEFAULT_MIXERS = ("softmax-rope", "linear", "hla2", "ahla", "hla3")
 LONG = 4  # the extrapolation length, in training lengths

@@ -29,7 +29,7 @@ import sys
 import time
 from typing import Any
 
-from hla_sp.launch.local import MALLOC_MMAP_THRESHOLD, run_local
+from hla_sp.launch.distributed.local import MALLOC_MMAP_THRESHOLD, run_local
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GIB = 2**30

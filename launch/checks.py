@@ -16,19 +16,16 @@ import argparse
 import os
 import typing
 
+from hla_sp.launch.checkpoint.resume_checks import check_load, check_skip_train
+from hla_sp.launch.config.sections_run import split_weights
+from hla_sp.launch.data.tokenizer import check_data_tokenizer, check_run_tokenizer
 from hla_sp.launch.errors import ConfigError
-from hla_sp.launch.perf_checks import check_performance
-from hla_sp.launch.resume_checks import (
-    check_load,
-    check_skip_train,
-)
-from hla_sp.launch.sections_run import split_weights
-from hla_sp.launch.tokenizer import check_data_tokenizer, check_run_tokenizer
+from hla_sp.launch.train.perf_checks import check_performance
 
 __all__ = ["split_weights", "validate"]  # split_weights: where callers import it
 
 if typing.TYPE_CHECKING:
-    from hla_sp.launch.config import TrainConfig
+    from hla_sp.launch.config.train_config import TrainConfig
 
 
 def _cuda_available() -> bool:
@@ -154,8 +151,8 @@ def _check_attention(cfg: TrainConfig) -> None:
 def _check_data(cfg: TrainConfig) -> None:
     """--data-path names readable indexed datasets; the recall layout fits the CP split."""
     if cfg.data.data_path:
-        from hla_sp.launch.data import DatasetError, parse_data_path
-        from hla_sp.launch.indexed_dataset import check_indexed_dataset
+        from hla_sp.launch.data.datasets import DatasetError, parse_data_path
+        from hla_sp.launch.data.indexed_dataset import check_indexed_dataset
 
         try:  # Megatron's weighted form, 0.5 A 0.5 B, names the prefixes A and B
             prefixes = parse_data_path(cfg.data.data_path)[0]
@@ -178,7 +175,7 @@ def _check_data(cfg: TrainConfig) -> None:
     if cfg.data.data == "text":
         _check_samples(cfg)
     if cfg.data.data == "synthetic-recall":
-        from hla_sp.launch.data import recall_layout_error
+        from hla_sp.launch.data.datasets import recall_layout_error
 
         msg = recall_layout_error(cfg.model.seq_length, cfg.parallelism.context_parallel_size,
                                   cfg.data.recall_pairs)
@@ -191,8 +188,8 @@ def _check_samples(cfg: TrainConfig) -> None:
     and in the validation split when it is read (--eval-interval, --skip-train): the
     sample sources the trainer builds, built here (opening an indexed dataset reads no
     tokens), so that a small file fails before any process starts."""
-    from hla_sp.launch.components import config_samples
-    from hla_sp.launch.data import DatasetError
+    from hla_sp.launch.data.datasets import DatasetError
+    from hla_sp.launch.train.components import config_samples
 
     ev = cfg.evaluation
     for part in ["train"] + (["valid"] if ev.eval_interval or ev.skip_train else []):

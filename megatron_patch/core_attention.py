@@ -42,7 +42,7 @@ def _group_size_rank(group: Any) -> tuple[int, int]:
 
 
 class RecurrentState:
-    """One layer's decode state across GPTModel forwards (``hla_sp.launch.generate``).
+    """One layer's decode state across GPTModel forwards (``hla_sp.launch.export.generate``).
 
     While a core attention holds one (``core.recurrent = RecurrentState()``), each of its
     forwards continues from ``state`` (None: a fresh sequence) and leaves its final state

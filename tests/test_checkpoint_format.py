@@ -129,7 +129,7 @@ def test_first_format_at_another_tp_is_refused_saying_how_to_convert(
     assert "\n" not in msg and "by 2 tensor-parallel ranks" in msg, msg
     assert "--tensor-model-parallel-size 2 (this run has 1); to convert it" in msg, msg
     # and before any process group, from the flags
-    from hla_sp.launch.config import ConfigError, parse_args
+    from hla_sp.launch.config.train_config import ConfigError, parse_args
 
     with pytest.raises(ConfigError, match="this run has 1"):
         checkpoint.preflight(parse_args(["--load", str(tmp_path / "old"), "--lr", "0.1"]))

@@ -32,9 +32,9 @@ TINY = [
 def _train(rank: int, world_size: int, flags: list[str], tp: int, save_first: bool) -> Any:
     """One trainer at TP ``tp`` in this gloo world: optionally save at once (right after
     a --load, the resharded state), then train to --train-iters; return the losses."""
-    from hla_sp.launch.config import parse_args
-    from hla_sp.launch.distributed import init_distributed, shutdown
-    from hla_sp.launch.trainer import Trainer
+    from hla_sp.launch.config.train_config import parse_args
+    from hla_sp.launch.distributed.process_groups import init_distributed, shutdown
+    from hla_sp.launch.train.trainer import Trainer
 
     cfg = parse_args([*flags, "--tensor-model-parallel-size", str(tp)])
     topo = init_distributed(tp, 1, 10)
@@ -126,9 +126,9 @@ def test_one_process_reads_the_weights_a_tp2_run_saved(runs: dict[str, Any],
     """What ``hla-sp generate`` does: rebuild the model in one process (TP 1) and read
     only its weights; every tensor equals the whole tensor the TP 2 ranks saved."""
     from hla_sp.launch.checkpoint import sharded
-    from hla_sp.launch.config import parse_args
-    from hla_sp.launch.generate import single_process
-    from hla_sp.launch.model import build_model
+    from hla_sp.launch.config.train_config import parse_args
+    from hla_sp.launch.export.generate import single_process
+    from hla_sp.launch.model.build import build_model
 
     whole = _whole(runs["dir"] / "tp2", 2, tmp_path / "w.pt")
     with single_process():

@@ -175,9 +175,9 @@ def test_every_rank_refuses_when_one_rank_finds_the_bad_file(
 def test_resume_of_a_corrupt_checkpoint_is_refused_in_one_line(tmp_path: Path) -> None:
     """The issue's case end to end: one flipped byte in a shard, resumed under torchrun
     (2 ranks): one line naming the shard, from the run, and a non-zero exit."""
-    from hla_sp.launch.config import parse_args
-    from hla_sp.launch.local import run_local
-    from hla_sp.launch.train import run
+    from hla_sp.launch.config.train_config import parse_args
+    from hla_sp.launch.distributed.local import run_local
+    from hla_sp.launch.train.main import run
 
     tiny = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
             "--seq-length", "32", "--lr", "3e-3", "--seed", "7", "--micro-batch-size", "2"]

@@ -1,4 +1,4 @@
-"""The chunked output projection + cross-entropy (:mod:`hla_sp.launch.chunked_loss`)
+"""The chunked output projection + cross-entropy (:mod:`hla_sp.launch.model.loss`)
 equals the plain path: in fp64 to 1e-10 at TP 1 and TP 2 (loss, hidden, weight and a
 tied embedding's gradients; an uneven last chunk, masked tokens, padded vocabulary), and
 in a short fp32 training run; the memory planner's logits term falls with it."""
@@ -49,7 +49,7 @@ def fp64_task(rank: int, world_size: int) -> dict:
     Megatron (this rank's rows, all-reduced), against the one-rank reference."""
     warnings.simplefilter("ignore")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from hla_sp.launch.chunked_loss import chunked_cross_entropy
+    from hla_sp.launch.model.loss import chunked_cross_entropy
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
@@ -90,7 +90,7 @@ def test_fp64_loss_and_gradients_equal_the_plain_path(world, tp):
 
 
 def test_refuses_bad_arguments():
-    from hla_sp.launch.chunked_loss import chunked_cross_entropy
+    from hla_sp.launch.model.loss import chunked_cross_entropy
 
     h, w, lab = torch.zeros(S, B, H), torch.zeros(PADDED, H), torch.zeros(B, S, dtype=torch.long)
     with pytest.raises(ValueError, match=r"chunk: expected an int >= 1 .*got 0"):
@@ -109,9 +109,9 @@ def model_task(rank: int, world_size: int) -> dict:
     """The trainer's model with --loss-chunk-tokens 3: logits without labels, the
     chunked per-token losses with them."""
     warnings.simplefilter("ignore")
-    from hla_sp.launch.chunked_loss import _ChunkedPost
-    from hla_sp.launch.config import parse_args
-    from hla_sp.launch.model import build_model
+    from hla_sp.launch.config.train_config import parse_args
+    from hla_sp.launch.model.build import build_model
+    from hla_sp.launch.model.loss import _ChunkedPost
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel()
@@ -132,8 +132,8 @@ def model_task(rank: int, world_size: int) -> dict:
 def test_model_uses_it_only_with_labels(world):
     """build_model installs it (auto above 4096 tokens, or the flag); called without
     labels the model still returns logits [b, s, V] for generation and export."""
-    from hla_sp.launch.config import parse_args
-    from hla_sp.launch.estimate import loss_chunk_tokens
+    from hla_sp.launch.config.train_config import parse_args
+    from hla_sp.launch.model.estimate import loss_chunk_tokens
 
     assert loss_chunk_tokens(parse_args(MODEL_FLAGS)) == 0  # 8 tokens: nothing to save
     assert loss_chunk_tokens(parse_args([*MODEL_FLAGS, "--seq-length", "8192"])) == 4096
@@ -150,7 +150,7 @@ def test_model_uses_it_only_with_labels(world):
 
 @pytest.mark.timeout(600)
 def test_training_losses_equal_the_plain_path(tmp_path):
-    from hla_sp.launch.local import run_local
+    from hla_sp.launch.distributed.local import run_local
 
     tiny = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
             "--seq-length", "64", "--train-iters", "4", "--lr", "3e-3", "--seed", "7",
@@ -175,8 +175,8 @@ def test_training_losses_equal_the_plain_path(tmp_path):
 def test_planner_counts_the_chunked_logits():
     """The README's cluster command: the plain path's logits (12 B x 50,304 ids x 65,536
     tokens, 36.8 GiB) dominate its activations; chunked, a layer's working set does."""
-    from hla_sp.launch.config import parse_args
-    from hla_sp.launch.estimate import GIB, estimate
+    from hla_sp.launch.config.train_config import parse_args
+    from hla_sp.launch.model.estimate import GIB, estimate
 
     cluster = ["--context-parallel-size", "16", "--seq-length", "1048576", "--num-layers", "24",
                "--hidden-size", "2048", "--num-attention-heads", "16",
@@ -198,7 +198,7 @@ def test_bf16_matches_the_plain_path_to_bf16_rounding():
     path's (bf16, then fp32), so the losses agree to fp32 summation order; the weight's
     gradient is summed over chunks in fp32 and rounded once, the plain path's in one bf16
     matmul, so they differ by bf16 rounding (2^-8 relative, a few of them)."""
-    from hla_sp.launch.chunked_loss import chunked_cross_entropy
+    from hla_sp.launch.model.loss import chunked_cross_entropy
 
     g = torch.Generator().manual_seed(5)
     hidden = torch.randn(S, B, H, generator=g).bfloat16().requires_grad_()

@@ -8,15 +8,15 @@ import json
 from pathlib import Path
 
 import pytest
-from hla_sp.launch.config import (
+from hla_sp.launch.checkpoint.resume_checks import config_diff
+from hla_sp.launch.config.sections import ModelConfig, OptimizerConfig
+from hla_sp.launch.config.train_config import (
     ConfigError,
     TrainConfig,
     build_parser,
     flat_config,
     parse_args,
 )
-from hla_sp.launch.resume_checks import config_diff
-from hla_sp.launch.sections import ModelConfig, OptimizerConfig
 
 ARGV = ["--num-layers", "3", "--hidden-size", "32", "--attention", "ahla", "--hla-decay",
         "data", "--lr", "0.01", "--bf16", "--data-path", "0.5", "A", "0.5", "B"]
@@ -128,8 +128,9 @@ def _rewrite_config(ckpt_dir: Path, config: dict) -> None:
 
 def test_a_checkpoint_saved_flat_resumes_and_generates(tmp_path: Path) -> None:
     pytest.importorskip("megatron.core")
-    from hla_sp.launch import checkpoint, generate
-    from hla_sp.launch.train import run
+    from hla_sp.launch import checkpoint
+    from hla_sp.launch.export import generate
+    from hla_sp.launch.train.main import run
 
     tiny = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
             "--seq-length", "32", "--seed", "5", "--lr-decay-iters", "4"]

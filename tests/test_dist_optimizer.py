@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hla_sp.launch.local import LocalRun, run_local
+from hla_sp.launch.distributed.local import LocalRun, run_local
 
 TINY = [
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -111,7 +111,11 @@ def test_the_flag_shards_the_optimizer_state() -> None:
     1; the per-rank halving is measured in docs/benchmarks.md."""
     import torch.distributed as dist
     from hla_sp.launch.checkpoint.sharded import describe_model, unsharded_layout
-    from hla_sp.launch.dist_optimizer import optimizer_state_bytes, shard_model, shard_rows
+    from hla_sp.launch.distributed.dist_optimizer import (
+        optimizer_state_bytes,
+        shard_model,
+        shard_rows,
+    )
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0,
@@ -135,8 +139,8 @@ def test_the_flag_shards_the_optimizer_state() -> None:
 
 
 def test_the_memory_model_counts_the_flag() -> None:
-    from hla_sp.launch.config import parse_args
-    from hla_sp.launch.estimate import advice, estimate
+    from hla_sp.launch.config.train_config import parse_args
+    from hla_sp.launch.model.estimate import advice, estimate
 
     base = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
             "--seq-length", "64", "--bf16", "--context-parallel-size", "2"]

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 from hla_sp.launch.checks import validate
-from hla_sp.launch.config import FIELD_SECTION, ConfigError, flag_names, parse_args
-from hla_sp.launch.local import worker_env
+from hla_sp.launch.config.train_config import FIELD_SECTION, ConfigError, flag_names, parse_args
+from hla_sp.launch.distributed.local import worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 HLA_SP = os.path.join(os.path.dirname(sys.executable), "hla-sp")
@@ -80,7 +80,8 @@ def test_documented_hla_sp_train_lines_pass_their_checks(
     """Each ``hla-sp train`` line, as written (placeholders aside): the launcher flags and
     the trainer flags are checked against the world it names; a GPU line is checked
     with CUDA taken as present and refused on CPU only for its CUDA-only flags."""
-    from hla_sp.launch import checks, cli
+    from hla_sp.launch import checks
+    from hla_sp.launch.cli import commands as cli
 
     cmds = _commands(doc, "hla-sp train")
     assert cmds, f"{doc} has no hla-sp train line"
@@ -99,7 +100,8 @@ def test_documented_hla_sp_train_lines_pass_their_checks(
 def test_quick_start_rope_line_is_refused_on_cpu_in_one_line(
         dataset: str, tmp_path: Path, capsys: pytest.CaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from hla_sp.launch import checks, cli
+    from hla_sp.launch import checks
+    from hla_sp.launch.cli import commands as cli
 
     # the refusal is for machines without CUDA: be one, on a GPU machine too
     monkeypatch.setattr(checks, "_cuda_available", lambda: False)
@@ -276,7 +278,7 @@ def test_sweep_config_error_names_the_file(tmp_path: Path) -> None:
     bad = tmp_path / "sweep.yaml"
     bad.write_text("world_sizes: [1]")
     with pytest.raises(ConfigError, match=r"sweep\.yaml"):
-        from hla_sp.launch.ray_sweep import load_config
+        from hla_sp.launch.sweep.ray_sweep import load_config
 
         load_config(str(bad))
 

@@ -165,7 +165,7 @@ def _walk(obj: object, key: str, out: dict[str, list[float]]) -> None:
             out.setdefault(kind, []).append(obj * factor)
 
 
-# the trainer's progress line (hla_sp.launch.metrics.progress_line), value by value
+# the trainer's progress line (hla_sp.launch.train.metrics.progress_line), value by value
 _LOG = {"loss": r"\| loss ([\d.]+)", "GiB": r"peak mem ([\d.]+) GiB",
         "tokens/s": r"\| ([\d,]+) tok/s", "s": r"\| step ([\d.]+) s"}
 

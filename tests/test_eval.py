@@ -27,8 +27,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from hla_sp.launch import eval_tasks as tasks
-from hla_sp.launch.local import worker_env as _env
+from hla_sp.launch.distributed.local import worker_env as _env
+from hla_sp.launch.eval import tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 HLA_SP = os.path.join(os.path.dirname(sys.executable), "hla-sp")
@@ -81,9 +81,9 @@ def _as_here(argv: list[str], ckpt: Path, out: Path) -> list[str]:
 
 def _one_rank(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """The same evaluation in this process, as a world of one (CP=1)."""
-    from hla_sp.launch import eval_run
-    from hla_sp.launch.distributed import free_port
-    from hla_sp.launch.evaluate import build_parser, output_paths
+    from hla_sp.launch.distributed.process_groups import free_port
+    from hla_sp.launch.eval import run as eval_run
+    from hla_sp.launch.eval.command import build_parser, output_paths
 
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
@@ -199,7 +199,7 @@ def test_lengths_and_buckets() -> None:
 
 
 def test_passkey_prompts() -> None:
-    from hla_sp.launch.tokenizer import load_tokenizer
+    from hla_sp.launch.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(None)
     seen = []
@@ -223,10 +223,10 @@ def test_passkey_prompts() -> None:
 def test_data_path_windows(tmp_path: Path, capsys: Any) -> None:
     """--data-path: window i at every length starts at token i x (longest + 1) of the
     prefixes' stream, documents joined by their EOD; too little data is one line."""
-    from hla_sp.launch.config import parse_args
+    from hla_sp.launch.config.train_config import parse_args
+    from hla_sp.launch.data.indexed_dataset import EOD, IndexedTokens
+    from hla_sp.launch.data.make_dataset import main as make
     from hla_sp.launch.errors import DatasetError
-    from hla_sp.launch.indexed_dataset import EOD, IndexedTokens
-    from hla_sp.launch.make_dataset import main as make
 
     for name, word in (("a", "abc "), ("b", "xyz ")):
         (tmp_path / f"{name}.txt").write_text(word * 500)
@@ -250,7 +250,7 @@ def test_data_path_windows(tmp_path: Path, capsys: Any) -> None:
 def test_key_scoring_picks_global_positions() -> None:
     """The key's labels are found by global position, whatever order a rank holds them
     in; a hit needs the argmax, the log-prob is log_softmax's."""
-    from hla_sp.launch.eval_run import key_stats
+    from hla_sp.launch.eval.run import key_stats
 
     g = torch.Generator().manual_seed(0)
     positions = torch.tensor([0, 1, 14, 15, 2, 3, 12, 13])  # zigzag-like order, length 16
@@ -281,7 +281,7 @@ def _edited(trained: Path, root: Path, **change: Any) -> Path:
     ckpt = root / "c"
     shutil.copytree(trained, ckpt)
     d = ckpt / "iter_0000002"
-    from hla_sp.launch.config import flat_config
+    from hla_sp.launch.config.train_config import flat_config
 
     cfg = flat_config(json.loads((d / "config.json").read_text()))  # flat: still read
     cfg.update(change)
@@ -314,7 +314,7 @@ def _edited(trained: Path, root: Path, **change: Any) -> Path:
 ])  # fmt: skip
 def test_errors_in_one_line_before_any_work(trained: Path, tmp_path: Path, capsys: Any,
                                             case: str, flags: list[str], match: str) -> None:
-    from hla_sp.launch.cli import main
+    from hla_sp.launch.cli.commands import main
 
     load = (_learned(trained, tmp_path) if case == "learned"
             else tmp_path / "nowhere" if case == "missing" else trained)
@@ -343,7 +343,7 @@ def test_worker_error_is_one_line(trained: Path, tmp_path: Path) -> None:
 
 
 def test_help(capsys: Any) -> None:
-    from hla_sp.launch.cli import main
+    from hla_sp.launch.cli.commands import main
 
     with pytest.raises(SystemExit) as e:
         main(["eval", "--help"])

@@ -23,7 +23,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from hla_sp.launch import generate as gen
+from hla_sp.launch.export import generate as gen
 from hla_sp.megatron_patch import get_hla_layer_local_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,7 +118,7 @@ def test_sample():
 
 
 def _train_config(*flags: str):
-    from hla_sp.launch.config import parse_args
+    from hla_sp.launch.config.train_config import parse_args
 
     return parse_args(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
                        "4", "--seq-length", "64", "--attention", "hla2", *flags])
@@ -127,7 +127,7 @@ def _train_config(*flags: str):
 def _save(root: Path, cfg) -> None:
     """A checkpoint as the trainer writes it (weights, config.json, latest)."""
     from hla_sp.launch import checkpoint
-    from hla_sp.launch.model import build_model
+    from hla_sp.launch.model.build import build_model
 
     class _Sched:
         def state_dict(self) -> dict:

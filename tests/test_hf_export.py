@@ -28,9 +28,9 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from hla_sp.launch import export
-from hla_sp.launch import generate as gen
-from hla_sp.launch.local import worker_env as _env
+from hla_sp.launch.distributed.local import worker_env as _env
+from hla_sp.launch.export import command as export
+from hla_sp.launch.export import generate as gen
 
 from hla_sp.config import HLAConfig
 
@@ -302,7 +302,7 @@ def test_custom_operator_exports_and_loads(tmp_path: Path, monkeypatch: pytest.M
                                            capsys: pytest.CaptureFixture) -> None:
     """A run of a user's operator (--custom-import): export imports the module the run
     recorded, and the model loads wherever that module is imported; without it, one line."""
-    from hla_sp.launch.config import parse_args
+    from hla_sp.launch.config.train_config import parse_args
     from test_custom_import import USER_MODULE
     from test_generate import _save
     from transformers import AutoModelForCausalLM
@@ -366,7 +366,7 @@ def bpe_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (d / "docs").mkdir()
     for i, t in enumerate(TEXT):
         (d / "docs" / f"{i}.txt").write_text(t * 30)
-    from hla_sp.launch.make_dataset import main as make_dataset
+    from hla_sp.launch.data.make_dataset import main as make_dataset
 
     # in this process where no torchrun is needed (each new process imports for seconds)
     assert make_dataset(["--input", str(d / "docs"), "--output-prefix", str(d / "data"),

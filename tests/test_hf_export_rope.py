@@ -24,9 +24,9 @@ import torch
 
 pytest.importorskip("megatron.core")  # the reference is Megatron's own model
 
-from hla_sp.launch import export
-from hla_sp.launch import generate as gen
-from hla_sp.launch.local import worker_env
+from hla_sp.launch.distributed.local import worker_env
+from hla_sp.launch.export import command as export
+from hla_sp.launch.export import generate as gen
 from hla_sp.megatron_patch.compat import rotary_on_host
 
 HLA_SP = os.path.join(os.path.dirname(sys.executable), "hla-sp")

@@ -21,10 +21,10 @@ import torch
 
 pytest.importorskip("megatron.core")  # the reference is the trainer's GPTModel
 
-from hla_sp.launch import generate as gen
-from hla_sp.launch.config import parse_args
-from hla_sp.launch.hf_convert import ConvertError, hf_config_from_train, hf_state_dict
-from hla_sp.launch.model import build_model, model_dtype
+from hla_sp.launch.config.train_config import parse_args
+from hla_sp.launch.export import generate as gen
+from hla_sp.launch.export.hf_convert import ConvertError, hf_config_from_train, hf_state_dict
+from hla_sp.launch.model.build import build_model, model_dtype
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hla_sp.hf

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from hla_sp.launch import checkpoint, faults
+from hla_sp.launch import checkpoint
 from hla_sp.launch.checks import validate
-from hla_sp.launch.cli import main as cli_main
-from hla_sp.launch.config import ConfigError, parse_args
+from hla_sp.launch.cli.commands import main as cli_main
+from hla_sp.launch.config.train_config import ConfigError, parse_args
+from hla_sp.launch.distributed import faults
 
 # --- flags ------------------------------------------------------------------------
 
@@ -326,7 +327,7 @@ def test_collective_diagnosis_only_when_every_peer_is_fine(
 
 def test_data_reader_names_a_broken_file(dataset: Path, tmp_path: Path) -> None:
     """Direct use of the reader (not only the trainer's check) names the file."""
-    from hla_sp.launch.data import DatasetError, IndexedTokens
+    from hla_sp.launch.data.datasets import DatasetError, IndexedTokens
 
     prefix = _corrupt(dataset, tmp_path / "bad", ".bin", -2)
     with pytest.raises(DatasetError, match=r"bad\.bin: truncated"):

@@ -15,10 +15,11 @@ from typing import Any
 
 import pytest
 import torch
-from hla_sp.launch import checkpoint, faults
+from hla_sp.launch import checkpoint
 from hla_sp.launch.checks import validate
-from hla_sp.launch.config import ConfigError, parse_args
-from hla_sp.launch.local import run_local
+from hla_sp.launch.config.train_config import ConfigError, parse_args
+from hla_sp.launch.distributed import faults
+from hla_sp.launch.distributed.local import run_local
 
 TINY = [
     "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -290,7 +291,7 @@ def test_unchanged_schedule_and_explicit_decay_length_pass(six: Path) -> None:
 @pytest.fixture(scope="module")
 def schedule_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """4 iterations of a --train-iters 4 run, then on to 6 under each of the two flags."""
-    from hla_sp.launch.train import run
+    from hla_sp.launch.train.main import run
 
     d = tmp_path_factory.mktemp("sched")
     base = [*TINY, "--min-lr", "1e-5", "--micro-batch-size", "2"]

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from ci_env import skip_or_fail
 from hla_sp.launch.checks import validate
-from hla_sp.launch.compiling import BACKEND_ENV
-from hla_sp.launch.config import ConfigError, parse_args
-from hla_sp.launch.local import LocalRun, run_local
+from hla_sp.launch.config.train_config import ConfigError, parse_args
+from hla_sp.launch.distributed.local import LocalRun, run_local
+from hla_sp.launch.model.compiling import BACKEND_ENV
 
 TINY = [
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",

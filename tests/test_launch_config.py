@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch.distributed as dist
 from hla_sp.launch.checks import validate
-from hla_sp.launch.config import ConfigError, build_parser, parse_args
+from hla_sp.launch.config.train_config import ConfigError, build_parser, parse_args
 
 HLA_SP = os.path.join(os.path.dirname(sys.executable), "hla-sp")
 
@@ -55,7 +55,7 @@ def test_megatron_spellings_parse() -> None:
 def test_bad_flags_rejected_before_any_process_group(
     argv: str, world: int, needle: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hla_sp.launch import train
+    from hla_sp.launch.train import main as train
 
     def no_group(*a: object, **k: object) -> None:
         raise AssertionError("a process group was created before the flags were checked")

@@ -15,9 +15,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def test_model_is_built_on_the_device_and_trains_there() -> None:
-    from hla_sp.launch.config import parse_args
-    from hla_sp.launch.generate import single_process
-    from hla_sp.launch.model import build_model
+    from hla_sp.launch.config.train_config import parse_args
+    from hla_sp.launch.export.generate import single_process
+    from hla_sp.launch.model.build import build_model
 
     cfg = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
                       "--seq-length", "128", "--attention", "hla2"])

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hla_sp.launch.data import (
+from hla_sp.launch.data.datasets import (
     EOD,
     ArrayTokens,
     IndexedTokens,
@@ -18,7 +18,7 @@ from hla_sp.launch.data import (
     builtin_text_tokens,
     recall_positions,
 )
-from hla_sp.launch.make_dataset import decode
+from hla_sp.launch.data.make_dataset import decode
 
 TEXTS = {
     "a.txt": "first document\nwith two lines\n",

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hla_sp.launch import indexed_dataset
 from hla_sp.launch.checks import validate
-from hla_sp.launch.config import ConfigError, parse_args
-from hla_sp.launch.data import (
+from hla_sp.launch.config.train_config import ConfigError, parse_args
+from hla_sp.launch.data import indexed_dataset
+from hla_sp.launch.data.datasets import (
     BlendedSamples,
     DatasetError,
     IndexedTokens,
@@ -23,7 +23,7 @@ from hla_sp.launch.data import (
     infer_vocab_size,
     parse_data_path,
 )
-from hla_sp.launch.indexed_dataset import check_indexed_dataset
+from hla_sp.launch.data.indexed_dataset import check_indexed_dataset
 
 HEADER = 34
 
@@ -231,7 +231,7 @@ def test_bad_weights_refused(tmp_path: Path, bad: list[str]) -> None:
 
 
 def test_weighted_data_path_trains_one_iteration(tmp_path: Path) -> None:
-    from hla_sp.launch.train import run
+    from hla_sp.launch.train.main import run
 
     a = _constant_dataset(tmp_path / "a", 1)
     b = _constant_dataset(tmp_path / "b", 2)

@@ -21,9 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from hla_sp.launch import errors, faults, torchrun
-from hla_sp.launch.cli import main as cli_main
-from hla_sp.launch.local import worker_env
+from hla_sp.launch import errors
+from hla_sp.launch.cli.commands import main as cli_main
+from hla_sp.launch.distributed import faults, torchrun
+from hla_sp.launch.distributed.local import worker_env
 
 HLA_SP = os.path.join(os.path.dirname(sys.executable), "hla-sp")
 TINY = ["--nproc-per-node", "2", "--context-parallel-size", "2", "--seq-length", "64",
@@ -62,7 +63,7 @@ def no_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(scope="module")
 def small_dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
     """An indexed dataset of 51 tokens (made by the project's tool): one sample of 32."""
-    from hla_sp.launch.make_dataset import main as make_main
+    from hla_sp.launch.data.make_dataset import main as make_main
 
     d = tmp_path_factory.mktemp("small")
     (d / "in").mkdir()

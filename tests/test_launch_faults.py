@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from hla_sp.launch import faults
-from hla_sp.launch.local import run_local
+from hla_sp.launch.distributed import faults
+from hla_sp.launch.distributed.local import run_local
 
 TINY = [
     "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",

@@ -8,8 +8,14 @@ import time
 import uuid
 from pathlib import Path
 
-from hla_sp.launch.distributed import free_port
-from hla_sp.launch.local import LocalRun, read_jsonl, run_local, torchrun_argv, worker_env
+from hla_sp.launch.distributed.local import (
+    LocalRun,
+    read_jsonl,
+    run_local,
+    torchrun_argv,
+    worker_env,
+)
+from hla_sp.launch.distributed.process_groups import free_port
 
 TINY = [
     "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from hla_sp.launch import checkpoint
 from hla_sp.launch.checkpoint import manifest
-from hla_sp.launch.config import parse_args
-from hla_sp.launch.local import run_local
-from hla_sp.launch.train import run
+from hla_sp.launch.config.train_config import parse_args
+from hla_sp.launch.distributed.local import run_local
+from hla_sp.launch.train.main import run
 
 TINY = [
     "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -126,7 +126,7 @@ def test_keep_last_never_deletes_the_newest_finite_or_the_loaded_checkpoint(
 
 
 def test_the_check_names_the_value_and_leaves_fp16_overflows_to_the_scaler() -> None:
-    from hla_sp.launch.nonfinite import non_finite
+    from hla_sp.launch.train.nonfinite import non_finite
 
     nan, inf = float("nan"), float("inf")
     assert non_finite(5.0, 2.0, skipped=False) == ""

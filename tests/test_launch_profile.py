@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 from hla_sp.launch.checks import validate
-from hla_sp.launch.config import ConfigError, parse_args
-from hla_sp.launch.local import run_local
+from hla_sp.launch.config.train_config import ConfigError, parse_args
+from hla_sp.launch.distributed.local import run_local
 
 TINY = [
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("ray.train")
 
-from hla_sp.launch import ray_sweep
+from hla_sp.launch.sweep import ray_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 HLA_SP = os.path.join(os.path.dirname(sys.executable), "hla-sp")

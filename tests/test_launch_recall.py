@@ -7,8 +7,8 @@ import json
 import math
 
 import pytest
-from hla_sp.launch.data import RecallSamples
-from hla_sp.launch.local import run_local
+from hla_sp.launch.data.datasets import RecallSamples
+from hla_sp.launch.distributed.local import run_local
 
 RECALL = [
     "--data", "synthetic-recall", "--recall-pairs", "4", "--seq-length", "64",
@@ -91,7 +91,7 @@ def test_skip_train_evaluates_a_checkpoint_at_another_cp_size(tmp_path) -> None:
 ])
 def test_skip_train_needs_a_checkpoint_and_no_save(tmp_path, flags, message) -> None:
     from hla_sp.launch.checks import ConfigError, validate
-    from hla_sp.launch.config import parse_args
+    from hla_sp.launch.config.train_config import parse_args
 
     (tmp_path / "EMPTY").mkdir()
     flags = [str(tmp_path / f) if f in ("EMPTY", "OUT") else f for f in flags]

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 from hla_sp.launch import checkpoint
 from hla_sp.launch.checks import validate
-from hla_sp.launch.config import ConfigError, parse_args
-from hla_sp.launch.local import read_jsonl, torchrun_argv, worker_env
-from hla_sp.launch.precision import LossScaler
-from hla_sp.launch.train import run
+from hla_sp.launch.config.train_config import ConfigError, parse_args
+from hla_sp.launch.distributed.local import read_jsonl, torchrun_argv, worker_env
+from hla_sp.launch.train.main import run
+from hla_sp.launch.train.precision import LossScaler
 
 TINY = [
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -168,7 +168,7 @@ def test_rope_refused_on_cpu_and_accepted_with_cuda(monkeypatch: pytest.MonkeyPa
 
 
 def test_split_holds_out_validation_windows() -> None:
-    from hla_sp.launch.data import split_windows
+    from hla_sp.launch.data.datasets import split_windows
 
     train, valid = split_windows(1000, (0.969, 0.03, 0.001))
     assert (train, valid) == (range(0, 969), range(969, 999))

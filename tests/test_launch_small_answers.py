@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from hla_sp.launch import generate as gen
-from hla_sp.launch import signals
-from hla_sp.launch.config import ConfigError, parse_args
-from hla_sp.launch.resume_checks import config_diff
+from hla_sp.launch.checkpoint.resume_checks import config_diff
+from hla_sp.launch.config.train_config import ConfigError, parse_args
+from hla_sp.launch.distributed import signals
+from hla_sp.launch.export import generate as gen
 
 # --- the resume line -----------------------------------------------------------------------
 
@@ -120,7 +120,7 @@ def test_recorded_default_equals_the_explicit_value() -> None:
 @pytest.fixture(scope="module")
 def two_datasets(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     """Two indexed datasets, all 'a' bytes and all 'b' bytes."""
-    from hla_sp.launch.make_dataset import main as make_main
+    from hla_sp.launch.data.make_dataset import main as make_main
 
     d = tmp_path_factory.mktemp("blend")
     out = []
@@ -133,7 +133,7 @@ def two_datasets(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 
 
 def test_a_zero_weight_source_supplies_nothing(two_datasets: tuple[str, str]) -> None:
-    from hla_sp.launch.data import build_samples
+    from hla_sp.launch.data.datasets import build_samples
 
     a, b = two_datasets
     s = build_samples("text", ["0", a, "1", b], 32, 0, 8)

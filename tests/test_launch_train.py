@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hla_sp.launch.local import LocalRun, run_local
+from hla_sp.launch.distributed.local import LocalRun, run_local
 
 TINY = [
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",

@@ -16,10 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from hla_sp.launch import cli, estimate, metrics
 from hla_sp.launch.checks import validate
-from hla_sp.launch.config import ConfigError, build_parser, flag_names, parse_args
-from hla_sp.launch.local import worker_env
+from hla_sp.launch.cli import commands as cli
+from hla_sp.launch.config.train_config import ConfigError, build_parser, flag_names, parse_args
+from hla_sp.launch.distributed.local import worker_env
+from hla_sp.launch.model import estimate
+from hla_sp.launch.train import metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 HLA_SP = os.path.join(os.path.dirname(sys.executable), "hla-sp")
@@ -149,8 +151,8 @@ def test_dry_run_warns_when_memory_exceeds_the_device(capsys: pytest.CaptureFixt
 
 def test_parameter_count_matches_the_built_model() -> None:
     """The formula against megatron-core's model (tiny, on CPU)."""
-    from hla_sp.launch.distributed import init_distributed, shutdown
-    from hla_sp.launch.model import build_model
+    from hla_sp.launch.distributed.process_groups import init_distributed, shutdown
+    from hla_sp.launch.model.build import build_model
 
     cfg = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
                       "--seq-length", "128"])
@@ -187,7 +189,7 @@ def test_advice_says_what_to_change_and_by_how_much() -> None:
 
 def test_oom_is_one_line_of_advice_without_a_traceback(
         capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
-    from hla_sp.launch import train
+    from hla_sp.launch.train import main as train
 
     def oom(self: object) -> None:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
@@ -213,7 +215,7 @@ def test_oom_is_one_line_of_advice_without_a_traceback(
 
 
 def test_weights_are_created_on_the_device_on_cuda() -> None:
-    from hla_sp.launch.model import transformer_config
+    from hla_sp.launch.model.build import transformer_config
 
     cfg = parse_args([])
     assert transformer_config(cfg, torch.device("cpu")).use_cpu_initialization

@@ -25,8 +25,8 @@ import torch
 pytest.importorskip("megatron.core")
 pytest.importorskip("lm_eval")
 
-from hla_sp.launch import export
-from hla_sp.launch.local import worker_env as _env
+from hla_sp.launch.distributed.local import worker_env as _env
+from hla_sp.launch.export import command as export
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "lm_eval"

@@ -262,8 +262,8 @@ def test_hybrid_block_spec_builds_the_pattern(world):
 
 def test_trainer_hybrid_pattern():
     from hla_sp.launch.checks import validate
-    from hla_sp.launch.config import ConfigError, parse_args
-    from hla_sp.launch.model import layer_spec
+    from hla_sp.launch.config.train_config import ConfigError, parse_args
+    from hla_sp.launch.model.build import layer_spec
 
     base = ["--num-layers", "4", "--seq-length", "64", "--hla-layer-pattern"]
     cfg = parse_args([*base, "([1]*3+[0])"])

@@ -228,7 +228,7 @@ def _documents(prefix: Path, changed: bool) -> str:
     bytes of the same lengths, so every sample keeps its layout and only they differ."""
     import random
 
-    from hla_sp.launch.make_dataset import make_dataset
+    from hla_sp.launch.data.make_dataset import make_dataset
 
     rnd, other = random.Random(0), random.Random(1)
     lines = []

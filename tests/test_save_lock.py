@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from hla_sp.launch import checkpoint
 from hla_sp.launch.checkpoint import lock
-from hla_sp.launch.config import ConfigError, parse_args
-from hla_sp.launch.local import torchrun_argv, worker_env
+from hla_sp.launch.config.train_config import ConfigError, parse_args
+from hla_sp.launch.distributed.local import torchrun_argv, worker_env
 
 TINY = [
     "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",

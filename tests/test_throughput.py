@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from hla_sp.launch import metrics
-from hla_sp.launch.throughput import default_peak, step_throughput
+from hla_sp.launch.train import metrics
+from hla_sp.launch.train.throughput import default_peak, step_throughput
 
 
 def test_per_rank_figures_are_the_jobs_over_the_world_size() -> None:
@@ -45,7 +45,7 @@ def test_every_sink_shows_the_per_rank_figures_and_the_total() -> None:
 
 def test_peak_is_the_flag_else_a_known_gpus_else_none() -> None:
     import torch
-    from hla_sp.launch.throughput import peak_tflops
+    from hla_sp.launch.train.throughput import peak_tflops
 
     assert peak_tflops(123.0, torch.device("cpu"), True) == 123.0
     assert peak_tflops(None, torch.device("cpu"), True) is None

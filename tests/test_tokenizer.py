@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hla_sp.launch import tokenizer as T
-from hla_sp.launch.local import worker_env as _env
+from hla_sp.launch.data import tokenizer as T
+from hla_sp.launch.distributed.local import worker_env as _env
 
 ROOT = Path(__file__).resolve().parents[1]
 HLA_SP = os.path.join(os.path.dirname(sys.executable), "hla-sp")
@@ -116,7 +116,7 @@ def test_hf_tokenizer_encode_decode_stream(hf_tok: dict[str, str], form: str) ->
 
 
 def test_token_dtype() -> None:
-    from hla_sp.launch.make_dataset import token_dtype
+    from hla_sp.launch.data.make_dataset import token_dtype
 
     assert [token_dtype(v) for v in (200, 256, 257, 65536, 65537, 152064)] == [
         np.uint8, np.uint8, np.uint16, np.uint16, np.int32, np.int32]
@@ -192,9 +192,9 @@ def test_checkpoint_records_the_tokenizer_and_losses(ckpt: Path, hf_tok: dict[st
 
 def test_generate_uses_the_runs_tokenizer(ckpt: Path, hf_tok: dict[str, str],
                                           capsys: pytest.CaptureFixture) -> None:
-    from hla_sp.launch import cli
-    from hla_sp.launch import generate as gen
     from hla_sp.launch.checkpoint.run_config import saved_losses
+    from hla_sp.launch.cli import commands as cli
+    from hla_sp.launch.export import generate as gen
 
     prompt = "the brown fox"
     assert cli.main(["generate", "--load", str(ckpt), "--prompt", prompt, "--temperature",
@@ -222,7 +222,7 @@ def test_generate_uses_the_runs_tokenizer(ckpt: Path, hf_tok: dict[str, str],
 def _refused(argv: list[str], capsys: pytest.CaptureFixture,
              monkeypatch: pytest.MonkeyPatch) -> str:
     """``hla-sp ARGV`` in this process: exit 2 and one line on stderr, nothing started."""
-    from hla_sp.launch import cli
+    from hla_sp.launch.cli import commands as cli
 
     monkeypatch.setattr(os, "execv", lambda *a: pytest.fail("torchrun was started"))
     with warnings.catch_warnings():

@@ -1,6 +1,6 @@
 """Padded vocabulary rows take no probability (:mod:`hla_sp.megatron_patch.vocab`).
 
-The trainer's GPTModel (``hla_sp.launch.model.build_model``) pads 257 ids to 384 rows
+The trainer's GPTModel (``hla_sp.launch.model.build.build_model``) pads 257 ids to 384 rows
 (TP 1) or 512 (TP 2) with the default ``--make-vocab-size-divisible-by 128``; its logits
 at the padding ids are -inf, in each TP rank's vocabulary slice, so the loss is the
 softmax over the real ids whatever the padding rows hold, and those rows get no
@@ -42,8 +42,8 @@ def padding_task(rank: int, world_size: int) -> dict:
     the padding rows overwritten by large values; the padding rows' gradient."""
     warnings.simplefilter("ignore")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from hla_sp.launch.config import parse_args
-    from hla_sp.launch.model import build_model
+    from hla_sp.launch.config.train_config import parse_args
+    from hla_sp.launch.model.build import build_model
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)

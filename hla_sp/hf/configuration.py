@@ -4,7 +4,7 @@ It holds what megatron-core's GPTModel was built from (sizes, norm epsilon, posi
 the unpadded vocabulary, the document-end token) and every HLA option, one field
 ``hla_<name>`` per field of :class:`hla_sp.config.HLAConfig`, so that
 :meth:`HLASPConfig.hla_config` rebuilds the exact HLAConfig the trainer used.
-``hla_sp.launch.hf_convert.hf_config_from_train`` makes one from a training config.
+``hla_sp.launch.export.hf_convert.hf_config_from_train`` makes one from a training config.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from transformers import AddedToken, PreTrainedTokenizer
 __all__ = ["BYTES", "EOD", "EOD_TOKEN", "HLASPByteTokenizer"]
 
 BYTES = 256  # ids 0..255: one per byte value
-EOD = 256  # the end of a document, as in hla_sp.launch.indexed_dataset
+EOD = 256  # the end of a document, as in hla_sp.launch.data.indexed_dataset
 EOD_TOKEN = "<|endoftext|>"
 
 

@@ -46,8 +46,8 @@ def estimate_checkpoint_bytes(cfg: Any) -> int:
     run's precision), fp32 master copies under --bf16/--fp16 and AdamW's two fp32
     moments, from the parameter count of a megatron-core GPT with tied embeddings, and
     DCP's framing of each tensor."""
-    from hla_sp.launch.data import BYTE_VOCAB
-    from hla_sp.launch.model import padded_vocab_size
+    from hla_sp.launch.data.datasets import BYTE_VOCAB
+    from hla_sp.launch.model.build import padded_vocab_size
 
     h, heads = cfg.model.hidden_size, cfg.model.num_attention_heads
     kv = h * (cfg.model.num_query_groups or heads) // heads
@@ -162,7 +162,7 @@ def schedule_diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     value that differs, the decay length included (--lr-decay-iters, which defaults to
     --train-iters); values the checkpoint does not record are not compared. Either
     config may be in sections or in the flat form of earlier versions."""
-    from hla_sp.launch.config import flat_config
+    from hla_sp.launch.config.train_config import flat_config
 
     saved, now = flat_config(saved), flat_config(now)
     out = []
@@ -221,7 +221,7 @@ def nothing_to_do(cfg: Any, argv: list[str] | None = None) -> str | None:
     """
     import shlex
 
-    from hla_sp.launch import signals
+    from hla_sp.launch.distributed import signals
 
     if getattr(cfg.evaluation, "skip_train", False) or cfg.checkpoint.load is None:
         return None

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from hla_sp.launch.errors import ConfigError
 
 if TYPE_CHECKING:
-    from hla_sp.launch.config import TrainConfig
+    from hla_sp.launch.config.train_config import TrainConfig
 
 __all__ = ["MODEL_FLAGS", "check_load", "check_skip_train", "config_diff"]
 
@@ -44,7 +44,7 @@ def _model_shape(d: dict[str, Any]) -> dict[str, Any]:
     if "ffn_hidden_size" in out and out["ffn_hidden_size"] is None and d.get("hidden_size"):
         out["ffn_hidden_size"] = 4 * d["hidden_size"]
     if "vocab_size" in out and out["vocab_size"] is None:
-        from hla_sp.launch.data import BYTE_VOCAB
+        from hla_sp.launch.data.datasets import BYTE_VOCAB
 
         out["vocab_size"] = BYTE_VOCAB
     if d.get("position_embedding_type") == "learned_absolute":
@@ -59,7 +59,7 @@ def config_diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """``--flag SAVED (checkpoint) != NOW (this run)`` for every model flag that differs;
     flags the checkpoint does not record (older versions) are not compared. Either config
     may be in sections or in the flat form of earlier versions."""
-    from hla_sp.launch.config import flat_config
+    from hla_sp.launch.config.train_config import flat_config
 
     a, b = _model_shape(flat_config(saved)), _model_shape(flat_config(now))
     out = []

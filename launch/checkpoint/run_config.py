@@ -99,7 +99,7 @@ def check_config_dict(cfg: Any, where: str) -> dict[str, Any]:
     import dataclasses
     import typing
 
-    from hla_sp.launch.config import SECTIONS, is_sectioned
+    from hla_sp.launch.config.train_config import SECTIONS, is_sectioned
 
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{where}: expected a JSON object of flags, got {type(cfg).__name__}")
@@ -176,12 +176,13 @@ def saved_losses(root: str, iteration: int) -> dict[str, float]:
 
 
 def load_run_config(load: str, step: int | None = None) -> tuple[Any, int]:
-    """The :class:`~hla_sp.launch.config.TrainConfig` of the checkpoint under ``load`` (its
-    latest iteration, or ``step``), with the modules its run named by --custom-import
-    imported again (they register its operator); (config, iteration). What generate,
-    export and eval read first. Raises ConfigError (or CheckpointError) in one line."""
+    """The :class:`~hla_sp.launch.config.train_config.TrainConfig` of the checkpoint
+    under ``load`` (its latest iteration, or ``step``), with the modules its run named by
+    --custom-import imported again (they register its operator); (config, iteration).
+    What generate, export and eval read first. Raises ConfigError (or CheckpointError)
+    in one line."""
     from hla_sp.launch.checkpoint.layout import LATEST, checkpoint_dir, latest_iteration
-    from hla_sp.launch.config import TrainConfig, flat_config
+    from hla_sp.launch.config.train_config import TrainConfig, flat_config
     from hla_sp.launch.errors import ConfigError
     from hla_sp.megatron_patch.args import import_custom
 

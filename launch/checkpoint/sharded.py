@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from hla_sp.launch.checkpoint.layout import CheckpointError, write_error
-from hla_sp.launch.dist_optimizer import UNSHARDED_LAYOUT, at_rest, local, shard_rows
+from hla_sp.launch.distributed.dist_optimizer import UNSHARDED_LAYOUT, at_rest, local, shard_rows
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (

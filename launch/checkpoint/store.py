@@ -36,7 +36,7 @@ from hla_sp.launch.checkpoint.layout import (
     remove_leftovers,
 )
 from hla_sp.launch.checkpoint.rng import restore_rng, rng_state
-from hla_sp.launch.dist_optimizer import half_dtype
+from hla_sp.launch.distributed.dist_optimizer import half_dtype
 
 FORMAT = 2  # 1: one torch.save file per TP rank (read by .legacy); 2: DCP
 _COMMON_KEYS = ("format", "iteration", "consumed_samples", "scheduler", "optimizer",
@@ -83,7 +83,7 @@ def save(
     non-finite must leave a checkpoint to go back to. Every file's size and SHA-256
     go into ``manifest.json`` (:mod:`.manifest`), which a load verifies.
     """
-    from hla_sp.launch import faults
+    from hla_sp.launch.distributed import faults
 
     del tp_rank  # the pieces carry their place: no per-TP-rank file any more
     with faults.saving(iteration):
@@ -98,7 +98,7 @@ def _save(
     consumed_samples: int, config: dict[str, Any], extra: dict[str, Any],
     keep_last: int | None, finite: bool, loaded: int | None,
 ) -> str:
-    from hla_sp.launch import faults
+    from hla_sp.launch.distributed import faults
 
     final = iter_dir(root, iteration)
     tmp = final + ".tmp"

@@ -13,10 +13,11 @@ preflight), says "nothing to do" for a finished run, then replaces itself with t
 (:mod:`hla_sp.launch.torchrun`, which prints a worker's known error once, in one line)
 running ``-m hla_sp.launch.train``. Everything it does not know goes to the trainer.
 Tracebacks: ``--debug`` or ``HLA_SP_DEBUG=1``.
-``generate`` samples from a checkpoint in this process (:mod:`hla_sp.launch.generate`).
-``export`` writes a checkpoint as a Hugging Face model directory (:mod:`hla_sp.launch.export`).
+``generate`` samples from a checkpoint in this process (:mod:`hla_sp.launch.export.generate`).
+``export`` writes a checkpoint as a Hugging Face model directory
+(:mod:`hla_sp.launch.export.command`).
 ``eval`` measures a checkpoint at long context, the sequence split over the ranks as in
-training, under the same torchrun (:mod:`hla_sp.launch.evaluate`).
+training, under the same torchrun (:mod:`hla_sp.launch.eval.command`).
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ import warnings
 from hla_sp.launch.checkpoint.layout import CheckpointError
 from hla_sp.launch.checkpoint.preflight_checks import nothing_to_do, preflight
 from hla_sp.launch.checks import validate
-from hla_sp.launch.config import ConfigError, TrainConfig, build_parser, parse_args
-from hla_sp.launch.data import DatasetError
+from hla_sp.launch.config.train_config import ConfigError, TrainConfig, build_parser, parse_args
+from hla_sp.launch.data.datasets import DatasetError
+from hla_sp.launch.distributed.local import MALLOC_MMAP_THRESHOLD
 from hla_sp.launch.errors import DEBUG_ENV, debug
 from hla_sp.launch.extras import require
-from hla_sp.launch.local import MALLOC_MMAP_THRESHOLD
 
 
 def torchrun_command(launch: argparse.Namespace, trainer_argv: list[str],
@@ -138,7 +139,7 @@ def planned_vocab(cfg: TrainConfig) -> int:
             f"--dry-run: expected --vocab-size with --data-path (the plan reads no data file, "
             f"so it cannot see the tokenizer's vocabulary: pass it, e.g. --vocab-size 50257 "
             f"for GPT-2's), got --data-path {' '.join(cfg.data.data_path)} alone")
-    from hla_sp.launch.data import BYTE_VOCAB
+    from hla_sp.launch.data.datasets import BYTE_VOCAB
 
     return BYTE_VOCAB
 
@@ -171,7 +172,7 @@ def _train(argv: list[str]) -> int:
             done = nothing_to_do(cfg, ["hla-sp", "train", *argv])
         cmd = torchrun_command(launch, rest)
         if launch.dry_run:
-            from hla_sp.launch.estimate import planned_device_memory
+            from hla_sp.launch.model.estimate import planned_device_memory
 
             vocab, device = planned_vocab(cfg), planned_device_memory(launch.device_memory)
     except (ConfigError, CheckpointError, DatasetError) as e:
@@ -183,7 +184,7 @@ def _train(argv: list[str]) -> int:
         print(done, flush=True)  # a finished run: start nothing
         return 0
     if launch.dry_run:
-        from hla_sp.launch.estimate import summary
+        from hla_sp.launch.model.estimate import summary
 
         source = ("--vocab-size" if given_vocab else f"--tokenizer {cfg.model.tokenizer}"
                   if cfg.model.tokenizer else "the byte-level default")
@@ -193,12 +194,12 @@ def _train(argv: list[str]) -> int:
         print(" ".join(cmd))
         return 0
     sys.stdout.flush()
-    # see hla_sp.launch.local: keeps CPU memory from creeping up (the workers inherit it)
+    # see hla_sp.launch.distributed.local: keeps CPU memory from creeping up (workers inherit it)
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", MALLOC_MMAP_THRESHOLD)
     # torchrun sets 1 for its workers anyway when unset, with a four-line warning saying so
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # the resume line after a signal quotes the user's own command
-    from hla_sp.launch.signals import COMMAND_ENV
+    from hla_sp.launch.distributed.signals import COMMAND_ENV
 
     os.environ[COMMAND_ENV] = shlex.join(["hla-sp", "train", *argv])
     if cfg.checkpoint.exit_signal_handler:  # torchrun's wait for its workers before SIGKILL (30 s)
@@ -218,11 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "train":
         return _train(rest)
     if cmd == "sweep":
-        from hla_sp.launch.ray_sweep import main as sweep_main  # imports Ray lazily
+        from hla_sp.launch.sweep.ray_sweep import main as sweep_main  # imports Ray lazily
 
         return sweep_main(rest)
     if cmd == "make-dataset":
-        from hla_sp.launch.make_dataset import main as make_main
+        from hla_sp.launch.data.make_dataset import main as make_main
 
         try:
             require("megatron", "hla-sp make-dataset")  # its writer is Megatron's
@@ -232,15 +233,15 @@ def main(argv: list[str] | None = None) -> int:
 
         return make_main(rest)
     if cmd == "generate":
-        from hla_sp.launch.generate import main as generate_main
+        from hla_sp.launch.export.generate import main as generate_main
 
         return generate_main(rest)
     if cmd == "export":
-        from hla_sp.launch.export import main as export_main  # requires megatron itself
+        from hla_sp.launch.export.command import main as export_main  # requires megatron itself
 
         return export_main(rest)
     if cmd == "eval":
-        from hla_sp.launch.evaluate import main as eval_main
+        from hla_sp.launch.eval.command import main as eval_main
 
         return eval_main(rest, torchrun_command)  # the workers start as train's do
     print(f"hla-sp: unknown command {cmd!r}\n{usage}", file=sys.stderr)

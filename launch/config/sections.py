@@ -5,8 +5,9 @@ one docstring per field, which is the flag's ``--help``; each checks what it can
 ``--custom-import``, whose flags :func:`hla_sp.megatron_patch.add_hla_args` defines),
 :class:`OptimizerConfig` (batching, schedule, AdamW, the seed), :class:`PrecisionConfig`
 and :class:`ParallelismConfig`. The run's sections (data, evaluation, checkpoints,
-logging) are in :mod:`hla_sp.launch.sections_run`; :class:`hla_sp.launch.config.TrainConfig`
-holds them all, and :mod:`hla_sp.launch.checks` checks them against each other.
+logging) are in :mod:`hla_sp.launch.config.sections_run`;
+:class:`hla_sp.launch.config.train_config.TrainConfig` holds them all, and
+:mod:`hla_sp.launch.checks` checks them against each other.
 """
 
 from __future__ import annotations

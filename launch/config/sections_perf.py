@@ -1,15 +1,15 @@
 """The trainer's performance section: torch.compile of the layers and torch.profiler
 traces ([performance]). What needs other sections or the world size (the profiled steps
 within --train-iters, the ranks within the world, where traces go) is checked by
-:func:`hla_sp.launch.perf_checks.check_performance`."""
+:func:`hla_sp.launch.train.perf_checks.check_performance`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar
 
+from hla_sp.launch.config.sections import Range, Section
 from hla_sp.launch.errors import ConfigError
-from hla_sp.launch.sections import Range, Section
 
 __all__ = ["PerformanceConfig"]
 

@@ -1,5 +1,5 @@
 """The trainer's config sections for the run around the model: data, evaluation,
-checkpoints and logging (see :mod:`hla_sp.launch.sections` for the others).
+checkpoints and logging (see :mod:`hla_sp.launch.config.sections` for the others).
 
 Each section checks here only what its own flags show; what needs the world size, the
 files or the installed packages is checked by :mod:`hla_sp.launch.checks`.
@@ -10,13 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from hla_sp.launch.config.sections import Range, Section
 from hla_sp.launch.errors import ConfigError
-from hla_sp.launch.sections import Range, Section
 
 __all__ = ["RECALL_FILLERS", "CheckpointConfig", "DataConfig", "EvaluationConfig",
            "LoggingConfig", "split_weights"]
 
-# The filler layouts of --data synthetic-recall (launch/data.py's RecallSamples).
+# The filler layouts of --data synthetic-recall (launch/data/datasets.py's RecallSamples).
 RECALL_FILLERS = ("random", "constant")
 
 

@@ -1,6 +1,6 @@
 """The trainer's configuration: :class:`TrainConfig`, a typed config in sections.
 
-The sections (:mod:`hla_sp.launch.sections`, :mod:`hla_sp.launch.sections_run`) are
+The sections (:mod:`hla_sp.launch.config.sections`, :mod:`hla_sp.launch.config.sections_run`) are
 dataclasses with one docstring per field, which is the flag's ``--help``; each checks
 what it can alone (``validate``), and :func:`hla_sp.launch.checks.validate` checks them
 against each other and the world size. ``hla`` is the typed
@@ -27,10 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-# The flag error, defined with the other known errors (the checks import this module,
-# and this module imports no check: launch's modules form no circle).
-from hla_sp.launch.errors import ConfigError
-from hla_sp.launch.flags import (
+from hla_sp.launch.config.flags import (
     OneLineParser,
     RaisingParser,
     add_dataclass_flags,
@@ -38,21 +35,25 @@ from hla_sp.launch.flags import (
     field_docs,
     import_user_modules,
 )
-from hla_sp.launch.sections import (
+from hla_sp.launch.config.sections import (
     ModelConfig,
     OptimizerConfig,
     ParallelismConfig,
     PrecisionConfig,
     Section,
 )
-from hla_sp.launch.sections_perf import PerformanceConfig
-from hla_sp.launch.sections_run import (
+from hla_sp.launch.config.sections_perf import PerformanceConfig
+from hla_sp.launch.config.sections_run import (
     RECALL_FILLERS,
     CheckpointConfig,
     DataConfig,
     EvaluationConfig,
     LoggingConfig,
 )
+
+# The flag error, defined with the other known errors (the checks import this module,
+# and this module imports no check: launch's modules form no circle).
+from hla_sp.launch.errors import ConfigError
 
 from hla_sp.config import HLAConfig, hla_operator_names
 

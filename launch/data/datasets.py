@@ -18,13 +18,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from hla_sp.launch.errors import DatasetError
-from hla_sp.launch.flags import is_number
+from hla_sp.launch.config.flags import is_number
+from hla_sp.launch.config.sections_run import RECALL_FILLERS
 
 # The byte-level ids (0..255 bytes, EOD 256) live with the dataset reader, which names
 # the byte vocabulary in its errors; they are this module's too.
-from hla_sp.launch.indexed_dataset import BYTE_VOCAB, EOD, IndexedTokens
-from hla_sp.launch.sections_run import RECALL_FILLERS
+from hla_sp.launch.data.indexed_dataset import BYTE_VOCAB, EOD, IndexedTokens
+from hla_sp.launch.errors import DatasetError
 
 # synthetic-recall token ranges (all inside the byte vocabulary)
 _KEYS = (16, 80)  # 64 possible keys

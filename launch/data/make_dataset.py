@@ -5,7 +5,7 @@
 Each file is one document: its tokens followed by the tokenizer's end of document. The
 default tokenizer is bytes: the file's bytes (ids 0..255), then EOD (256).
 ``--tokenizer`` takes a Hugging Face tokenizer instead (a directory, a tokenizer.json or
-a hub name: :mod:`hla_sp.launch.tokenizer`); its end of sequence token ends each
+a hub name: :mod:`hla_sp.launch.data.tokenizer`); its end of sequence token ends each
 document. With ``--split-lines`` each non-empty line is a document instead.
 Directories are walked (``--suffix`` filters). Ids are stored in the smallest dtype
 that holds the vocabulary (uint8, uint16 or int32), and ``PREFIX.json`` records the
@@ -22,9 +22,9 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
-from hla_sp.launch.data import EOD
-from hla_sp.launch.flags import OneLineParser
-from hla_sp.launch.tokenizer import (
+from hla_sp.launch.config.flags import OneLineParser
+from hla_sp.launch.data.datasets import EOD
+from hla_sp.launch.data.tokenizer import (
     BYTES,
     RunTokenizer,
     TokenizerError,

@@ -31,7 +31,7 @@ __all__ = ["BYTES", "RunTokenizer", "StreamDecoder", "TokenizerError", "check_da
            "sidecar_path", "write_sidecar"]
 
 BYTES = "bytes"  # the spec of the byte-level tokenizer
-_BYTE_VOCAB, _BYTE_EOD = 257, 256  # as hla_sp.launch.indexed_dataset (which imports numpy)
+_BYTE_VOCAB, _BYTE_EOD = 257, 256  # as hla_sp.launch.data.indexed_dataset (which imports numpy)
 SIDECAR_FORMAT = "hla-sp dataset tokenizer 1"
 
 

@@ -7,7 +7,7 @@ ignored: SLURM and torchrun may both deliver one, and the stop is already under 
 
 Without the flag a SIGINT stops the run at once: :class:`Interrupted` is raised, rank 0
 prints one line and every rank leaves without a traceback. SIGTERM stays with
-:mod:`hla_sp.launch.faults`, because torchrun also sends it to the survivors when a
+:mod:`hla_sp.launch.distributed.faults`, because torchrun also sends it to the survivors when a
 worker dies, and then the diagnosis of that worker is what matters.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from hla_sp.launch.flags import is_number
+from hla_sp.launch.config.flags import is_number
 
 # the user's own command, set by ``hla-sp train`` for its workers (the resume line)
 COMMAND_ENV = "HLA_SP_COMMAND"

@@ -6,8 +6,8 @@
 
 The launcher checks everything it can before any process starts (the flags, the
 checkpoint's config, the lengths against the model's positions and the zigzag split,
-the data), then runs torchrun with ``-m hla_sp.launch.eval_run`` through the same
-command builder as ``hla-sp train`` (:func:`hla_sp.launch.cli.torchrun_command`). The
+the data), then runs torchrun with ``-m hla_sp.launch.eval.run`` through the same
+command builder as ``hla-sp train`` (:func:`hla_sp.launch.cli.commands.torchrun_command`). The
 P ranks hold one sequence between them, Megatron's zigzag chunks r and 2P-1-r each, so
 the longest sequence needs 1/P of the memory on each; there are no gradients. Rank 0
 writes ``TASK.json`` (every figure, the command, the checkpoint, the timing) and
@@ -29,11 +29,11 @@ from hla_sp.launch.errors import ConfigError
 TASKS = ("ppl-by-position", "passkey")
 # the launcher's command line, quoted, for the record the workers write
 COMMAND_ENV = "HLA_SP_EVAL_COMMAND"
-WORKER = "hla_sp.launch.eval_run"
+WORKER = "hla_sp.launch.eval.run"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hla_sp.launch.flags import OneLineParser  # a bad flag in one line, no usage
+    from hla_sp.launch.config.flags import OneLineParser  # a bad flag in one line, no usage
 
     p = OneLineParser(
         prog="hla-sp eval", allow_abbrev=False,
@@ -119,7 +119,7 @@ def _check_model(cfg: Any, cp: int, lengths: list[int]) -> Any:
     attention, a hybrid's layers under CP); returns that config."""
     import torch
     from hla_sp.launch.checks import validate
-    from hla_sp.launch.eval_tasks import check_lengths
+    from hla_sp.launch.eval.tasks import check_lengths
 
     table = None
     if cfg.model.position_embedding_type == "learned_absolute":
@@ -140,7 +140,7 @@ def _check_model(cfg: Any, cp: int, lengths: list[int]) -> Any:
 def make_plan(args: argparse.Namespace) -> Plan:
     """Check the flags, the checkpoint and the data, in that order; nothing is run."""
     from hla_sp.launch import checkpoint
-    from hla_sp.launch import eval_tasks as tasks
+    from hla_sp.launch.eval import tasks
     from hla_sp.megatron_patch.args import import_custom
 
     cp = _check_flags(args)
@@ -185,8 +185,8 @@ def prepare_output(args: argparse.Namespace) -> None:
 
 def _environment(argv: list[str], debug: bool) -> None:
     """What the workers inherit: the command for their record, threads, the allocator."""
+    from hla_sp.launch.distributed.local import MALLOC_MMAP_THRESHOLD
     from hla_sp.launch.errors import DEBUG_ENV
-    from hla_sp.launch.local import MALLOC_MMAP_THRESHOLD
 
     os.environ[COMMAND_ENV] = shlex.join(["hla-sp", "eval", *argv])
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", MALLOC_MMAP_THRESHOLD)
@@ -227,6 +227,6 @@ def main(argv: list[str], torchrun_command: Callable[..., list[str]]) -> int:
     assert cmd[1:3] == ["-m", "hla_sp.launch.torchrun"], cmd
     _environment(argv, args.debug)
     sys.stdout.flush()
-    from hla_sp.launch.torchrun import main as torchrun_main
+    from hla_sp.launch.distributed.torchrun import main as torchrun_main
 
     return torchrun_main(cmd[3:], prog="hla-sp eval")

@@ -8,8 +8,8 @@ import os
 import time
 from typing import Any
 
-from hla_sp.launch.eval_tasks import short
-from hla_sp.launch.indexed_dataset import BYTE_VOCAB
+from hla_sp.launch.data.indexed_dataset import BYTE_VOCAB
+from hla_sp.launch.eval.tasks import short
 
 
 def header(plan: Any, topo: Any, command: str) -> dict[str, Any]:
@@ -56,7 +56,7 @@ def header(plan: Any, topo: Any, command: str) -> dict[str, Any]:
 
 def write_json(plan: Any, record: dict[str, Any]) -> str:
     """Write the record (whole, or the previous one stays); return its path."""
-    from hla_sp.launch.evaluate import output_paths
+    from hla_sp.launch.eval.command import output_paths
 
     path = output_paths(plan.args)[0]
     tmp = path + ".tmp"
@@ -94,7 +94,7 @@ def plot(plan: Any, record: dict[str, Any]) -> str:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from hla_sp.launch.evaluate import output_paths
+    from hla_sp.launch.eval.command import output_paths
 
     path = output_paths(plan.args)[1]
     results = record["results"]

@@ -1,6 +1,6 @@
-"""The workers of ``hla-sp eval``: ``torchrun -m hla_sp.launch.eval_run <eval flags>``.
+"""The workers of ``hla-sp eval``: ``torchrun -m hla_sp.launch.eval.run <eval flags>``.
 
-Every rank builds the same sequences (:mod:`hla_sp.launch.eval_tasks`), keeps its
+Every rank builds the same sequences (:mod:`hla_sp.launch.eval.tasks`), keeps its
 zigzag share (Megatron's ``get_batch_on_this_cp_rank``: chunks r and 2P-1-r of 2P) with
 the global position of each token, and runs the model forward without gradients; the
 figures are sums over the positions a rank holds, added up across the ranks in float64.
@@ -29,10 +29,12 @@ warnings.filterwarnings("ignore", message=".*(Apex|apex|Transformer Engine|full 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from hla_sp.launch import eval_report, faults, metrics  # noqa: E402
-from hla_sp.launch.distributed import Topology, init_distributed, shutdown  # noqa: E402
-from hla_sp.launch.eval_tasks import bucket_of, buckets, passkey  # noqa: E402
-from hla_sp.launch.evaluate import Plan, build_parser, make_plan, prepare_output  # noqa: E402
+from hla_sp.launch.distributed import faults  # noqa: E402
+from hla_sp.launch.distributed.process_groups import Topology, init_distributed, shutdown  # noqa: E402
+from hla_sp.launch.eval import report as eval_report  # noqa: E402
+from hla_sp.launch.eval.command import Plan, build_parser, make_plan, prepare_output  # noqa: E402
+from hla_sp.launch.eval.tasks import bucket_of, buckets, passkey  # noqa: E402
+from hla_sp.launch.train import metrics  # noqa: E402
 from hla_sp.megatron_patch.compat import cp_split  # noqa: E402
 
 PROG = "hla-sp eval"
@@ -123,8 +125,8 @@ def passkey_length(model: torch.nn.Module, plan: Plan, length: int, device: torc
 def load_model(plan: Plan, topo: Topology) -> torch.nn.Module:
     """The checkpoint's GPTModel at this CP size, weights read from its pieces, eval mode."""
     from hla_sp.launch import checkpoint
-    from hla_sp.launch.data import BYTE_VOCAB
-    from hla_sp.launch.model import build_model, model_dtype
+    from hla_sp.launch.data.datasets import BYTE_VOCAB
+    from hla_sp.launch.model.build import build_model, model_dtype
 
     cfg = plan.cfg
     torch.manual_seed(cfg.optimizer.seed)  # the weights are overwritten; this keeps the build quiet

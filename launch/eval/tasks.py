@@ -2,7 +2,7 @@
 ``ppl-by-position`` and their position buckets, and the prompts of ``passkey``.
 
 Everything here is a function of the flags and the seed, so every rank (and every CP
-size) builds the same sequences; :mod:`hla_sp.launch.eval_run` runs them.
+size) builds the same sequences; :mod:`hla_sp.launch.eval.run` runs them.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from hla_sp.launch.data.indexed_dataset import BYTE_VOCAB
 from hla_sp.launch.errors import ConfigError, DatasetError
-from hla_sp.launch.indexed_dataset import BYTE_VOCAB
 
 if TYPE_CHECKING:
-    from hla_sp.launch.tokenizer import RunTokenizer
+    from hla_sp.launch.data.tokenizer import RunTokenizer
 
 _UNITS = {"": 1, "k": 1024, "m": 1024**2}
 
@@ -112,14 +112,14 @@ def text_windows(cfg: Any, data_path: list[str] | None, samples: int, longest: i
     the built-in text (the standard library's sources, one document each, joined with
     EOD) from the first file past the corpus a training run at the checkpoint's
     --seq-length reads, which no such run has seen."""
-    from hla_sp.launch.data import ArrayTokens, builtin_text_tokens
+    from hla_sp.launch.data.datasets import ArrayTokens, builtin_text_tokens
 
     need = samples * (longest + 1)
     vocab = cfg.model.vocab_size or BYTE_VOCAB
     if data_path:
-        from hla_sp.launch.data import parse_data_path
-        from hla_sp.launch.indexed_dataset import IndexedTokens
-        from hla_sp.launch.tokenizer import TokenizerError, check_data_tokenizer
+        from hla_sp.launch.data.datasets import parse_data_path
+        from hla_sp.launch.data.indexed_dataset import IndexedTokens
+        from hla_sp.launch.data.tokenizer import TokenizerError, check_data_tokenizer
 
         prefixes, weights = parse_data_path(data_path)
         if weights is not None:
@@ -156,7 +156,7 @@ def text_windows(cfg: Any, data_path: list[str] | None, samples: int, longest: i
 def run_tokenizer(cfg: Any) -> RunTokenizer:
     """The tokenizer of the run that wrote the checkpoint (its config's --tokenizer;
     bytes by default), which writes the passkey prompts."""
-    from hla_sp.launch.tokenizer import load_run_tokenizer
+    from hla_sp.launch.data.tokenizer import load_run_tokenizer
 
     return load_run_tokenizer(cfg)
 

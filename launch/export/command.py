@@ -5,7 +5,7 @@
 
 The checkpoint is loaded as ``hla-sp generate`` loads it (one process: the pieces of
 whole tensors that any TP, CP or DP size saved, SHA-256-verified), converted by
-:mod:`hla_sp.launch.hf_convert` and written as::
+:mod:`hla_sp.launch.export.hf_convert` and written as::
 
     DIR/config.json               HLASPConfig: the architecture and every HLA option;
                                   auto_map names the code files below
@@ -66,7 +66,7 @@ class ExportError(RuntimeError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hla_sp.launch.flags import OneLineParser  # a bad flag in one line, no usage
+    from hla_sp.launch.config.flags import OneLineParser  # a bad flag in one line, no usage
 
     p = OneLineParser(
         prog="hla-sp export", allow_abbrev=False,
@@ -142,10 +142,10 @@ def _probe(vocab: int, positions: int | None) -> torch.Tensor:
 def write_export(args: argparse.Namespace, out: str) -> str:
     """Load the checkpoint, write the HF directory into ``out`` (a fresh directory) and,
     with ``args.verify``, check it; returns the summary line. Call inside
-    :func:`hla_sp.launch.generate.single_process`."""
-    from hla_sp.launch.generate import load_model, max_positions
-    from hla_sp.launch.hf_convert import ConvertError, hf_config_from_train, hf_state_dict
-    from hla_sp.launch.tokenizer import load_run_tokenizer
+    :func:`hla_sp.launch.export.generate.single_process`."""
+    from hla_sp.launch.data.tokenizer import load_run_tokenizer
+    from hla_sp.launch.export.generate import load_model, max_positions
+    from hla_sp.launch.export.hf_convert import ConvertError, hf_config_from_train, hf_state_dict
 
     dtype = DTYPES[args.dtype]
     model, cfg = load_model(args.load, args.ckpt_step, decodable=False)
@@ -259,8 +259,8 @@ def _install(tmp: str, output: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """The ``hla-sp export`` command: one summary line on stdout."""
-    from hla_sp.launch.config import ConfigError
-    from hla_sp.launch.generate import GenerateError
+    from hla_sp.launch.config.train_config import ConfigError
+    from hla_sp.launch.export.generate import GenerateError
 
     args = build_parser().parse_args(argv)
     output = args.output.rstrip(os.sep) or args.output
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ExportError(f"hla-sp export needs {' and '.join(missing)}, which "
                               f"{'is' if len(missing) == 1 else 'are'} not installed: "
                               f'pip install "hla-sp[hf]"')
-        from hla_sp.launch.generate import _quiet_megatron, single_process
+        from hla_sp.launch.export.generate import _quiet_megatron, single_process
         from hla_sp.megatron_patch.args import import_custom
 
         try:

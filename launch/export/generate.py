@@ -27,10 +27,10 @@ import warnings
 from collections.abc import Callable, Iterator
 
 import torch
-from hla_sp.launch.config import TrainConfig
-from hla_sp.launch.tokenizer import RunTokenizer, load_run_tokenizer, load_tokenizer
+from hla_sp.launch.config.train_config import TrainConfig
+from hla_sp.launch.data.tokenizer import RunTokenizer, load_run_tokenizer, load_tokenizer
 
-BYTE_VOCAB = 257  # ids 0..255 are bytes, EOD ends a document (hla_sp.launch.data)
+BYTE_VOCAB = 257  # ids 0..255 are bytes, EOD ends a document (hla_sp.launch.data.datasets)
 EOD = 256
 # the smallest non-zero --temperature. Logits divided by a temperature near float64's
 # smallest (1e-310) overflow to inf, and the softmax of inf - inf is nan; long before
@@ -44,7 +44,7 @@ class GenerateError(RuntimeError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hla_sp.launch.flags import OneLineParser  # a bad flag in one line, no usage
+    from hla_sp.launch.config.flags import OneLineParser  # a bad flag in one line, no usage
 
     p = OneLineParser(
         prog="hla-sp generate", allow_abbrev=False,
@@ -111,7 +111,7 @@ def load_config(load: str, step: int | None = None, decodable: bool = True
     """The config of a checkpoint under ``load`` (its latest iteration, or ``step``), with
     ``decodable`` checked to be one generate decodes; (config, iteration)."""
     from hla_sp.launch import checkpoint
-    from hla_sp.launch.config import ConfigError
+    from hla_sp.launch.config.train_config import ConfigError
 
     try:
         cfg, it = checkpoint.load_run_config(load, step)
@@ -124,7 +124,7 @@ def load_config(load: str, step: int | None = None, decodable: bool = True
 
 def check_decodable(cfg: TrainConfig) -> None:
     """Refuse, in one line, the models whose decode this command does not implement."""
-    from hla_sp.launch.model import softmax_layers
+    from hla_sp.launch.model.build import softmax_layers
 
     softmax = softmax_layers(cfg)
     if softmax is not None:
@@ -178,7 +178,7 @@ def load_model(load: str, step: int | None = None, device: str = "cpu",
     refuse what generate cannot decode; export reads every checkpoint). Call inside
     :func:`single_process`."""
     from hla_sp.launch import checkpoint
-    from hla_sp.launch.model import build_model, model_dtype
+    from hla_sp.launch.model.build import build_model, model_dtype
 
     cfg, it = load_config(load, step, decodable)
     cfg = decode_config(cfg)
@@ -351,7 +351,7 @@ def _stream(args: argparse.Namespace) -> Generation:
 
 def main(argv: list[str] | None = None) -> int:
     """The ``hla-sp generate`` command; the text goes to stdout, a timing line to stderr."""
-    from hla_sp.launch.config import ConfigError
+    from hla_sp.launch.config.train_config import ConfigError
 
     args = build_parser().parse_args(argv)
     try:

@@ -4,7 +4,7 @@
   read from the TransformerConfig the trainer builds (sizes, norm epsilon, activation)
   and the HLA options its layer spec gets;
 * :func:`hf_state_dict`: a single-process GPTModel's weights (whole tensors, as
-  ``hla_sp.launch.generate.load_model`` builds it) under the HF model's names, with
+  ``hla_sp.launch.export.generate.load_model`` builds it) under the HF model's names, with
   Megatron's padded vocabulary rows dropped and the tied output layer stored once.
 
 Softmax and hybrid models (``--attention softmax``, ``--hla-layer-pattern``) are refused:
@@ -18,7 +18,7 @@ import dataclasses
 import re
 
 import torch
-from hla_sp.launch.config import TrainConfig
+from hla_sp.launch.config.train_config import TrainConfig
 
 from hla_sp.config import HLAConfig
 from hla_sp.hf import HLASPConfig, HLASPForCausalLM
@@ -36,8 +36,8 @@ def hf_config_from_train(cfg: TrainConfig, vocab_size: int, eod: int) -> HLASPCo
         vocab_size: the tokenizer's vocabulary, unpadded.
         eod: the document-end token (bos, eos and pad of the HF model).
     """
-    from hla_sp.launch.generate import decode_config
-    from hla_sp.launch.model import model_dtype, softmax_layers, transformer_config
+    from hla_sp.launch.export.generate import decode_config
+    from hla_sp.launch.model.build import model_dtype, softmax_layers, transformer_config
     from hla_sp.megatron_patch import hla_spec_kwargs
 
     softmax = softmax_layers(cfg)

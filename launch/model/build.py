@@ -17,9 +17,9 @@ import functools
 from typing import Any
 
 import torch
-from hla_sp.launch.chunked_loss import use_chunked_loss
-from hla_sp.launch.config import TrainConfig
-from hla_sp.launch.estimate import loss_chunk_tokens
+from hla_sp.launch.config.train_config import TrainConfig
+from hla_sp.launch.model.estimate import loss_chunk_tokens
+from hla_sp.launch.model.loss import use_chunked_loss
 from hla_sp.megatron_patch.vocab import mask_padded_vocab
 from torch.utils.checkpoint import checkpoint
 
@@ -163,7 +163,7 @@ def build_model(
     if chunk:  # with labels, the loss without all logits at once (--loss-chunk-tokens)
         use_chunked_loss(model, chunk)
     if cfg.performance.compile:  # before recompute, which then wraps the compiled layers
-        from hla_sp.launch.compiling import compile_layers
+        from hla_sp.launch.model.compiling import compile_layers
 
         compile_layers(model)
     granularity = cfg.model.recompute_granularity or (

@@ -1,7 +1,7 @@
 """--compile: each transformer layer through ``torch.compile(fullgraph=True)``.
 
 Layers, not the whole model: the embedding, the loss and the trainer's Python stay
-eager. Full activation recompute (:func:`hla_sp.launch.model.apply_recompute`) wraps
+eager. Full activation recompute (:func:`hla_sp.launch.model.build.apply_recompute`) wraps
 the compiled forward, so the recomputation in backward runs the compiled code too;
 selective recompute's checkpoint sits inside the layer, and dynamo traces it into the
 graph. HLA's chunk scan is a torch custom op, opaque to the compiler, and under context

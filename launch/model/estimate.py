@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from hla_sp.launch.config import TrainConfig
+    from hla_sp.launch.config.train_config import TrainConfig
 
 GIB = 2**30
 FIXED_BYTES = int(0.48 * GIB)

@@ -2,7 +2,7 @@
 
 For each world size P, Ray Train's ``TorchTrainer`` starts P workers with
 ``ScalingConfig(num_workers=P, use_gpu=...)``; Ray creates the process group, and the
-workers run this project's trainer (:func:`hla_sp.launch.train.run`) once per sequence
+workers run this project's trainer (:func:`hla_sp.launch.train.main.run`) once per sequence
 length T, with context parallelism over all P ranks unless the config says otherwise
 (peak memory is reset between runs). The sweep collects tokens/s, step time, per-rank peak memory
 and loss, and writes ``results.json``, ``results.csv``, ``throughput_vs_p.png`` and
@@ -46,10 +46,10 @@ from collections.abc import Iterator
 from typing import Any, TextIO
 
 from hla_sp.launch.checks import validate
-from hla_sp.launch.config import ConfigError, TrainConfig
+from hla_sp.launch.config.train_config import ConfigError, TrainConfig
 
 # Re-exported: the sweep's file checks are imported from here (tests, docs).
-from hla_sp.launch.sweep_config import (
+from hla_sp.launch.sweep.sweep_config import (
     check_resources,
     flags_from_mapping,
     load_config,
@@ -81,7 +81,7 @@ def _train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     """Runs in each Ray worker: the trainer over Ray's process group, once per sequence
     length (the workers start once per P; each run resets the peak-memory mark)."""
     import ray.train
-    from hla_sp.launch.train import run
+    from hla_sp.launch.train.main import run
 
     summaries = {}
     for point in config["points"]:

@@ -1,5 +1,5 @@
 """The trainer's components, each built from the config: the data, the model with its
-optimizer, the checkpoint manager and the metrics. :class:`hla_sp.launch.trainer.Trainer`
+optimizer, the checkpoint manager and the metrics. :class:`hla_sp.launch.train.trainer.Trainer`
 assembles them and runs the loop.
 
 The build order is the one the runs' numbers depend on: the data, then
@@ -17,13 +17,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from hla_sp.launch import checkpoint, metrics
-from hla_sp.launch.config import TrainConfig
-from hla_sp.launch.data import build_samples, infer_vocab_size
-from hla_sp.launch.distributed import Topology
-from hla_sp.launch.nonfinite import checkpoint_finite
-from hla_sp.launch.precision import LossScaler, MasterWeights
-from hla_sp.launch.throughput import peak_tflops
+from hla_sp.launch import checkpoint
+from hla_sp.launch.config.train_config import TrainConfig
+from hla_sp.launch.data.datasets import build_samples, infer_vocab_size
+from hla_sp.launch.distributed.process_groups import Topology
+from hla_sp.launch.train import metrics
+from hla_sp.launch.train.nonfinite import checkpoint_finite
+from hla_sp.launch.train.precision import LossScaler, MasterWeights
+from hla_sp.launch.train.throughput import peak_tflops
 
 
 def config_samples(cfg: TrainConfig, part: str = "train") -> Any:
@@ -87,7 +88,7 @@ class ModelParts:
 
     @classmethod
     def build(cls, cfg: TrainConfig, vocab: int, topo: Topology) -> ModelParts:
-        from hla_sp.launch.model import build_model, model_dtype
+        from hla_sp.launch.model.build import build_model, model_dtype
         from megatron.core import parallel_state as ps
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -100,7 +101,7 @@ class ModelParts:
                                                         dtype=model_dtype(cfg))
         dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
         if opt.use_distributed_optimizer:
-            from hla_sp.launch.dist_optimizer import shard_model
+            from hla_sp.launch.distributed.dist_optimizer import shard_model
 
             shard_model(model, dp_cp, model_dtype(cfg),
                         checkpoint.sharded.unsharded_layout(model))
@@ -146,7 +147,7 @@ class ModelParts:
         """Clip by the global L2 norm; TP-duplicated parameters are counted once. Return
         the norm and ``loss_sum``, read from the device together: the step's one host
         read serves the clip, the non-finite check and the record."""
-        from hla_sp.launch.dist_optimizer import local
+        from hla_sp.launch.distributed.dist_optimizer import local
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -233,7 +234,7 @@ class RunMetrics:
     TensorBoard / W&B scalars and the live plot (no-ops on the other ranks)."""
 
     def __init__(self, cfg: TrainConfig, topo: Topology, data: TrainData):
-        from hla_sp.launch.estimate import model_flops_per_token
+        from hla_sp.launch.model.estimate import model_flops_per_token
 
         self.cfg, self.first = cfg, topo.is_first
         # model FLOPs of one step (recompute not counted): the TFLOP/s of the progress line

@@ -1,7 +1,7 @@
 """The trainer's entry point: ``torchrun --nproc-per-node N -m hla_sp.launch.train <flags>``.
 
-A megatron-core GPT with HLA core attention; :class:`~hla_sp.launch.trainer.Trainer`
-(model, optimizer, data, the step and the loop) is in :mod:`hla_sp.launch.trainer`.
+A megatron-core GPT with HLA core attention; :class:`~hla_sp.launch.train.trainer.Trainer`
+(model, optimizer, data, the step and the loop) is in :mod:`hla_sp.launch.train.trainer`.
 :func:`run` validates the flags, joins the process group, trains and shuts down; it is
 also what the Ray sweep runs inside each worker.
 """
@@ -9,24 +9,10 @@ also what the Ray sweep runs inside each worker.
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
-
-
-def _stop_while_starting(signum: int, frame: Any) -> None:
-    """A signal before training starts (megatron's import takes seconds): leave at once,
-    one line from rank 0, no traceback of half-finished imports from every rank."""
-    if os.environ.get("RANK", "0") == "0":
-        os.write(2, f"hla-sp train: stopped by {signal.Signals(signum).name} while starting; "
-                    f"nothing was trained\n".encode())
-    os._exit(128 + signum)
-
-
-if __name__ == "__main__":  # under torchrun; run() installs the training-time handlers
-    signal.signal(signal.SIGINT, _stop_while_starting)
 
 # Megatron warns on import about apex/TE; on CPU that is the expected state.
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
@@ -34,12 +20,14 @@ warnings.filterwarnings("ignore", message=".*apex.*", category=UserWarning)
 warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
 
 import torch.distributed as dist  # noqa: E402
-from hla_sp.launch import checkpoint, faults, metrics, signals  # noqa: E402
+from hla_sp.launch import checkpoint  # noqa: E402
 from hla_sp.launch.checkpoint.preflight_checks import nothing_to_do  # noqa: E402
 from hla_sp.launch.checks import validate  # noqa: E402
-from hla_sp.launch.config import TrainConfig, parse_args, world_size_from_env  # noqa: E402
-from hla_sp.launch.distributed import Topology, init_distributed, shutdown  # noqa: E402
-from hla_sp.launch.trainer import NonFiniteError, Trainer  # noqa: E402
+from hla_sp.launch.config.train_config import TrainConfig, parse_args, world_size_from_env  # noqa: E402
+from hla_sp.launch.distributed import faults, signals  # noqa: E402
+from hla_sp.launch.distributed.process_groups import Topology, init_distributed, shutdown  # noqa: E402
+from hla_sp.launch.train import metrics  # noqa: E402
+from hla_sp.launch.train.trainer import NonFiniteError, Trainer  # noqa: E402
 
 __all__ = ["Trainer", "main", "run"]
 
@@ -168,7 +156,7 @@ def run(
         oom = _is_oom(err)
         advice = None
         if oom:
-            from hla_sp.launch.estimate import advice as memory_advice
+            from hla_sp.launch.model.estimate import advice as memory_advice
 
             advice = f"out of memory; {memory_advice(cfg, topo.world_size)}"
         # a stop from outside or an OOM needs no traceback
@@ -247,6 +235,3 @@ def main(argv: list[str] | None = None) -> int:
         return faults.KNOWN_EXIT
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

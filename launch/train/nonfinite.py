@@ -5,7 +5,7 @@ With ``--check-for-nan-in-loss-and-grad`` (Megatron's flag, on by default) the t
 checks the step's global loss and gradient norm, both read in the step's one host read,
 before the optimizer steps; a NaN or infinity raises :class:`NonFiniteError` on every
 rank alike (the values are global), so nothing is stepped, saved or pruned, and
-:func:`hla_sp.launch.train.run` reports its message in one line and exits non-zero.
+:func:`hla_sp.launch.train.main.run` reports its message in one line and exits non-zero.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from hla_sp.launch import checkpoint
-from hla_sp.launch.dist_optimizer import local
+from hla_sp.launch.distributed.dist_optimizer import local
 
 
 class NonFiniteError(RuntimeError):

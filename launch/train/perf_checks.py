@@ -1,5 +1,5 @@
 """The checks of --compile and --profile against the other sections and the world size,
-and where --profile's traces go (see :mod:`hla_sp.launch.sections_perf`)."""
+and where --profile's traces go (see :mod:`hla_sp.launch.config.sections_perf`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import typing
 from hla_sp.launch.errors import ConfigError
 
 if typing.TYPE_CHECKING:
-    from hla_sp.launch.config import TrainConfig
+    from hla_sp.launch.config.train_config import TrainConfig
 
 __all__ = ["check_performance", "profile_dir"]
 

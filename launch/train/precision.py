@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from hla_sp.launch.dist_optimizer import local
+from hla_sp.launch.distributed.dist_optimizer import local
 
 
 class LossScaler:

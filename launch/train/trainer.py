@@ -11,9 +11,9 @@ Each optimizer step:
 3. gradients are all-reduced over DP x CP, clipped by the global norm (TP-aware), and
    AdamW steps with Megatron's warmup + cosine scheduler;
 4. a non-finite loss or gradient norm stops the run before the optimizer steps, on
-   every rank alike (:mod:`hla_sp.launch.nonfinite`); an fp16 overflow stays a skip.
+   every rank alike (:mod:`hla_sp.launch.train.nonfinite`); an fp16 overflow stays a skip.
 
-:func:`hla_sp.launch.train.run` builds it inside a process group (under torchrun, and
+:func:`hla_sp.launch.train.main.run` builds it inside a process group (under torchrun, and
 in each worker of the Ray sweep).
 """
 
@@ -25,20 +25,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from hla_sp.launch import faults, metrics, signals
-from hla_sp.launch.components import CheckpointManager, ModelParts, RunMetrics, TrainData
-from hla_sp.launch.config import TrainConfig
-from hla_sp.launch.data import microbatches
-from hla_sp.launch.distributed import Topology
-from hla_sp.launch.nonfinite import NonFiniteError, non_finite, stop_line
-from hla_sp.launch.profiling import StepProfiler
-from hla_sp.launch.throughput import step_throughput
+from hla_sp.launch.config.train_config import TrainConfig
+from hla_sp.launch.data.datasets import microbatches
+from hla_sp.launch.distributed import faults, signals
+from hla_sp.launch.distributed.process_groups import Topology
+from hla_sp.launch.train import metrics
+from hla_sp.launch.train.components import CheckpointManager, ModelParts, RunMetrics, TrainData
+from hla_sp.launch.train.nonfinite import NonFiniteError, non_finite, stop_line
+from hla_sp.launch.train.profiling import StepProfiler
+from hla_sp.launch.train.throughput import step_throughput
 from hla_sp.megatron_patch.compat import cp_split
 
 
 class Trainer:
     """The loop over the components (data, model and optimizer, checkpoints, metrics,
-    :mod:`hla_sp.launch.components`); built inside a process group."""
+    :mod:`hla_sp.launch.train.components`); built inside a process group."""
 
     def __init__(self, cfg: TrainConfig, topo: Topology):
         self.cfg, self.topo = cfg, topo
