@@ -6,8 +6,8 @@ Each section checks what it shows alone (``validate``: ranges, choices, the sche
 the position table, ...); the checks here need several sections, the world size, the
 machine or the files: the parallel layout, TP's share of the heads, the batch, what
 needs CUDA, the HLA flags with the layer count, the data, the checkpoint to resume, the
-installed loggers. It runs its steps in a fixed order, so the first problem reported
-stays the same.
+installed loggers, --compile and --profile. It runs its steps in a fixed order, so the
+first problem reported stays the same.
 """
 
 from __future__ import annotations
@@ -17,12 +17,10 @@ import os
 import typing
 
 from hla_sp.launch.checkpoint.resume_checks import check_load, check_skip_train
-from hla_sp.launch.config.sections_run import split_weights
 from hla_sp.launch.data.tokenizer import check_data_tokenizer, check_run_tokenizer
 from hla_sp.launch.errors import ConfigError
-from hla_sp.launch.train.perf_checks import check_performance
 
-__all__ = ["split_weights", "validate"]  # split_weights: where callers import it
+__all__ = ["check_performance", "profile_dir", "validate"]
 
 if typing.TYPE_CHECKING:
     from hla_sp.launch.config.train_config import TrainConfig
@@ -188,8 +186,7 @@ def _check_samples(cfg: TrainConfig) -> None:
     and in the validation split when it is read (--eval-interval, --skip-train): the
     sample sources the trainer builds, built here (opening an indexed dataset reads no
     tokens), so that a small file fails before any process starts."""
-    from hla_sp.launch.data.datasets import DatasetError
-    from hla_sp.launch.train.components import config_samples
+    from hla_sp.launch.data.datasets import DatasetError, config_samples
 
     ev = cfg.evaluation
     for part in ["train"] + (["valid"] if ev.eval_interval or ev.skip_train else []):
@@ -213,3 +210,36 @@ def _check_loggers(cfg: TrainConfig) -> None:
             f"--wandb-project {cfg.logging.wandb_project}: needs the wandb package, which is not "
             f"installed: pip install wandb (then wandb login, or WANDB_MODE=offline)"
         )
+
+
+def profile_dir(cfg: TrainConfig) -> str | None:
+    """Where --profile writes its traces: <--tensorboard-dir, else --save>/profile."""
+    base = cfg.logging.tensorboard_dir or cfg.checkpoint.save
+    return os.path.join(base, "profile") if base else None
+
+
+def check_performance(cfg: TrainConfig, world_size: int) -> None:
+    """--compile against tensor parallelism; --profile's steps, ranks and directory."""
+    perf = cfg.performance
+    tp = cfg.parallelism.tensor_model_parallel_size
+    if perf.compile and tp > 1:
+        raise ConfigError(
+            f"--compile: expected --tensor-model-parallel-size 1, got {tp} (megatron-core's "
+            f"tensor-parallel linear all-reduces asynchronously in backward, which "
+            f"torch.compile cannot trace whole)")
+    if not perf.profile:
+        return
+    iters = cfg.optimizer.train_iters
+    if perf.profile_step_end > iters:
+        raise ConfigError(
+            f"--profile-step-end: expected <= --train-iters {iters} (steps are counted from "
+            f"0), got {perf.profile_step_end}")
+    bad = [r for r in perf.ranks if not 0 <= r < world_size]
+    if bad:
+        raise ConfigError(
+            f"--profile-ranks: expected ranks in [0, {world_size - 1}] (world size "
+            f"{world_size}), got {perf.ranks}")
+    if profile_dir(cfg) is None:
+        raise ConfigError(
+            "--profile: expected --tensorboard-dir or --save to hold the traces "
+            "(<dir>/profile), got neither")

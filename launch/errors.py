@@ -34,6 +34,10 @@ class DatasetError(ValueError):
     """A Megatron indexed dataset file that cannot be read; the message names the file."""
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint file that cannot be read; the message names the file."""
+
+
 def debug() -> bool:
     """Whether tracebacks were asked for (``HLA_SP_DEBUG`` set to anything but 0/empty)."""
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
@@ -42,8 +46,6 @@ def debug() -> bool:
 def known_kinds() -> tuple[type[BaseException], ...]:
     """The errors whose message says everything (a flag, a checkpoint, a data file):
     reported in one line, without a traceback or a diagnosis of the peers."""
-    from hla_sp.launch.checkpoint.layout import CheckpointError
-
     return (ConfigError, CheckpointError, DatasetError)
 
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 from hla_sp.launch.checkpoint.resume_checks import config_diff
-from hla_sp.launch.config.sections import ModelConfig, OptimizerConfig
 from hla_sp.launch.config.train_config import (
     ConfigError,
     TrainConfig,
@@ -17,6 +16,8 @@ from hla_sp.launch.config.train_config import (
     flat_config,
     parse_args,
 )
+from hla_sp.launch.model.config import ModelConfig
+from hla_sp.launch.train.config import OptimizerConfig
 
 ARGV = ["--num-layers", "3", "--hidden-size", "32", "--attention", "ahla", "--hla-decay",
         "data", "--lr", "0.01", "--bf16", "--data-path", "0.5", "A", "0.5", "B"]

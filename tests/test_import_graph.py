@@ -1,8 +1,8 @@
 """The package's import graph is a one-way street.
 
 Layers, lowest first: ``hla_sp.config`` and ``hla_sp.kernels`` < ``hla_sp.ops`` <
-``hla_sp.parallel`` < ``hla_sp.nn`` < ``hla_sp.hf`` < ``hla_sp.megatron_patch`` /
-``hla_sp.launch``.
+``hla_sp.parallel`` < ``hla_sp.nn`` < ``hla_sp.hf`` < ``hla_sp.megatron_patch`` <
+``hla_sp.launch``, whose subpackages are layered in turn (see ``LAYERS``).
 A module may import its own layer or a lower one, never a higher one, not even
 lazily inside a function or under ``TYPE_CHECKING``. The sources are read with
 ``ast``, each folder named by its import name as ``[tool.setuptools.package-dir]``
@@ -35,8 +35,33 @@ LAYERS: dict[str, int] = {
     "hla_sp.testing": 3,
     "hla_sp.hf": 4,  # the Hugging Face model: plain PyTorch over nn, no megatron
     "hla_sp.megatron_patch": 5,
-    "hla_sp.launch": 5,
-    "hla_sp": 6,  # the package facade (hla_sp/__init__.py) re-exports from below
+    # launch/, by subpackage: the known errors and the extras' check; the flags, the
+    # sections' base and TrainConfig, which holds one section from each owner below (each
+    # owner's section module sits on this floor, so the owners can read TrainConfig); the
+    # process groups and the job's failures; the data; the model; the checkpoints; the
+    # checks across sections; the trainer; the commands over a checkpoint; the sweep; the
+    # console script and the documented `python -m` modules.
+    "hla_sp.launch": 6,
+    "hla_sp.launch.config": 7,
+    "hla_sp.launch.model.config": 7,
+    "hla_sp.launch.train.config": 7,
+    "hla_sp.launch.distributed.config": 7,
+    "hla_sp.launch.data.config": 7,
+    "hla_sp.launch.checkpoint.config": 7,
+    "hla_sp.launch.distributed": 8,
+    "hla_sp.launch.data": 9,
+    "hla_sp.launch.model": 10,
+    "hla_sp.launch.checkpoint": 11,
+    "hla_sp.launch.checks": 12,
+    "hla_sp.launch.train": 13,
+    "hla_sp.launch.eval": 14,
+    "hla_sp.launch.export": 14,
+    "hla_sp.launch.sweep": 15,
+    "hla_sp.launch.cli": 16,
+    "hla_sp.launch.torchrun": 16,
+    "hla_sp.launch.make_dataset": 16,
+    "hla_sp.launch.ray_sweep": 16,
+    "hla_sp": 17,  # the package facade (hla_sp/__init__.py) re-exports from below
 }
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from hla_sp.launch.errors import CheckpointError  # raised here; its one home is errors
 
 LATEST = "latest_checkpointed_iteration.txt"
 CONFIG = "config.json"
@@ -31,10 +32,6 @@ _ITER = re.compile(r"iter_(\d{7,})")
 # an iteration moved aside while its re-save is swapped in, and one being deleted by
 # --keep-last: neither is a complete checkpoint under its own name
 OLD, DEL = ".old", ".del"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint file that cannot be read; the message names the file."""
 
 
 def iter_dir(root: str, iteration: int) -> str:

@@ -1,6 +1,6 @@
 """The trainer's configuration: :class:`TrainConfig`, a typed config in sections.
 
-The sections (:mod:`hla_sp.launch.config.sections`, :mod:`hla_sp.launch.config.sections_run`) are
+The sections (:mod:`hla_sp.launch.config.sections`, :mod:`hla_sp.launch.train.config`) are
 dataclasses with one docstring per field, which is the flag's ``--help``; each checks
 what it can alone (``validate``), and :func:`hla_sp.launch.checks.validate` checks them
 against each other and the world size. ``hla`` is the typed
@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from hla_sp.launch.checkpoint.config import CheckpointConfig
 from hla_sp.launch.config.flags import (
     OneLineParser,
     RaisingParser,
@@ -35,25 +36,21 @@ from hla_sp.launch.config.flags import (
     field_docs,
     import_user_modules,
 )
-from hla_sp.launch.config.sections import (
-    ModelConfig,
-    OptimizerConfig,
-    ParallelismConfig,
-    PrecisionConfig,
-    Section,
-)
-from hla_sp.launch.config.sections_perf import PerformanceConfig
-from hla_sp.launch.config.sections_run import (
-    RECALL_FILLERS,
-    CheckpointConfig,
-    DataConfig,
-    EvaluationConfig,
-    LoggingConfig,
-)
+from hla_sp.launch.config.sections import Section
+from hla_sp.launch.data.config import RECALL_FILLERS, DataConfig
+from hla_sp.launch.distributed.config import ParallelismConfig
 
 # The flag error, defined with the other known errors (the checks import this module,
 # and this module imports no check: launch's modules form no circle).
 from hla_sp.launch.errors import ConfigError
+from hla_sp.launch.model.config import ModelConfig
+from hla_sp.launch.train.config import (
+    EvaluationConfig,
+    LoggingConfig,
+    OptimizerConfig,
+    PerformanceConfig,
+    PrecisionConfig,
+)
 
 from hla_sp.config import HLAConfig, hla_operator_names
 

@@ -15,11 +15,13 @@ import os
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from hla_sp.launch.config.flags import is_number
-from hla_sp.launch.config.sections_run import RECALL_FILLERS
+from hla_sp.launch.config.train_config import TrainConfig
+from hla_sp.launch.data.config import RECALL_FILLERS
 
 # The byte-level ids (0..255 bytes, EOD 256) live with the dataset reader, which names
 # the byte vocabulary in its errors; they are this module's too.
@@ -358,3 +360,11 @@ def microbatches(
             "loss_mask": torch.stack([r.loss_mask for r in rows]),
             "position_ids": torch.arange(T).unsqueeze(0).expand(micro_batch, T).contiguous(),
         }
+
+
+def config_samples(cfg: TrainConfig, part: str = "train") -> Any:
+    """The sample source of one split (train, valid) of the config's data."""
+    d = cfg.data
+    return build_samples(d.data, d.data_path, cfg.model.seq_length, cfg.optimizer.seed,
+                         d.recall_pairs, d.split_weights, part=part,
+                         vocab_size=cfg.model.vocab_size, recall_filler=d.recall_filler)

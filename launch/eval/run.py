@@ -30,7 +30,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from hla_sp.launch.distributed import faults  # noqa: E402
-from hla_sp.launch.distributed.process_groups import Topology, init_distributed, shutdown  # noqa: E402
+from hla_sp.launch.distributed.process_groups import (  # noqa: E402
+    Topology,
+    init_distributed,
+    shutdown,
+)
 from hla_sp.launch.eval import report as eval_report  # noqa: E402
 from hla_sp.launch.eval.command import Plan, build_parser, make_plan, prepare_output  # noqa: E402
 from hla_sp.launch.eval.tasks import bucket_of, buckets, passkey  # noqa: E402

@@ -19,20 +19,12 @@ import torch
 import torch.distributed as dist
 from hla_sp.launch import checkpoint
 from hla_sp.launch.config.train_config import TrainConfig
-from hla_sp.launch.data.datasets import build_samples, infer_vocab_size
+from hla_sp.launch.data.datasets import config_samples, infer_vocab_size
 from hla_sp.launch.distributed.process_groups import Topology
 from hla_sp.launch.train import metrics
 from hla_sp.launch.train.nonfinite import checkpoint_finite
 from hla_sp.launch.train.precision import LossScaler, MasterWeights
 from hla_sp.launch.train.throughput import peak_tflops
-
-
-def config_samples(cfg: TrainConfig, part: str = "train") -> Any:
-    """The sample source of one split (train, valid) of the config's data."""
-    d = cfg.data
-    return build_samples(d.data, d.data_path, cfg.model.seq_length, cfg.optimizer.seed,
-                         d.recall_pairs, d.split_weights, part=part,
-                         vocab_size=cfg.model.vocab_size, recall_filler=d.recall_filler)
 
 
 @dataclass

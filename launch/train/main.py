@@ -25,7 +25,11 @@ from hla_sp.launch.checkpoint.preflight_checks import nothing_to_do  # noqa: E40
 from hla_sp.launch.checks import validate  # noqa: E402
 from hla_sp.launch.config.train_config import TrainConfig, parse_args, world_size_from_env  # noqa: E402
 from hla_sp.launch.distributed import faults, signals  # noqa: E402
-from hla_sp.launch.distributed.process_groups import Topology, init_distributed, shutdown  # noqa: E402
+from hla_sp.launch.distributed.process_groups import (  # noqa: E402
+    Topology,
+    init_distributed,
+    shutdown,
+)
 from hla_sp.launch.train import metrics  # noqa: E402
 from hla_sp.launch.train.trainer import NonFiniteError, Trainer  # noqa: E402
 

@@ -18,10 +18,10 @@ import os
 from typing import Any
 
 import torch
+from hla_sp.launch.checks import profile_dir
 from hla_sp.launch.config.train_config import TrainConfig
 from hla_sp.launch.distributed.process_groups import Topology
 from hla_sp.launch.train.metrics import say
-from hla_sp.launch.train.perf_checks import profile_dir
 from torch.profiler import ProfilerAction, ProfilerActivity
 
 __all__ = ["StepProfiler", "label_attention", "trace_path"]
