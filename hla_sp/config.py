@@ -236,9 +236,11 @@ class HLAConfig:
 
     @classmethod
     def from_flags(cls, args: Any, operator: str, prefix: str = "hla_") -> HLAConfig:
-        """The config of parsed flags (``args.hla_decay`` ...) with ``operator``."""
-        values = {f.name: getattr(args, prefix + f.name) for f in cls.flag_fields()
-                  if hasattr(args, prefix + f.name)}
+        """The config of parsed flags (``args.hla_decay`` ..., or a dict of argparse's
+        destinations) with ``operator``."""
+        flags = args if isinstance(args, dict) else vars(args)
+        values = {f.name: flags[prefix + f.name] for f in cls.flag_fields()
+                  if prefix + f.name in flags}
         return cls(operator=operator, **values)
 
 

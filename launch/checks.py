@@ -12,13 +12,13 @@ first problem reported stays the same.
 
 from __future__ import annotations
 
-import argparse
 import os
 import typing
 
 from hla_sp.launch.checkpoint.resume_checks import check_load, check_skip_train
 from hla_sp.launch.data.tokenizer import check_data_tokenizer, check_run_tokenizer
 from hla_sp.launch.errors import ConfigError
+from hla_sp.megatron_patch.hybrid import check_trainer_hybrid
 
 __all__ = ["check_performance", "profile_dir", "validate"]
 
@@ -127,13 +127,9 @@ def _check_device(cfg: TrainConfig, offline: bool = False) -> None:
 
 
 def _check_attention(cfg: TrainConfig) -> None:
-    """The HLA flags (the Megatron drop-in's own checks) and softmax's need for CUDA."""
-    from hla_sp.megatron_patch import check_hla_args
-
+    """--hla-layer-pattern with the layers, CP and the machine, and softmax's need for CUDA
+    (the HLA options were checked when the config was made: TrainConfig.__post_init__)."""
     try:
-        check_hla_args(argparse.Namespace(**cfg.hla_flags()))
-        from hla_sp.megatron_patch.hybrid import check_trainer_hybrid
-
         check_trainer_hybrid(cfg.hla_flags(), num_layers=cfg.model.num_layers,
                              context_parallel_size=cfg.parallelism.context_parallel_size,
                              cuda=_cuda_available())

@@ -124,12 +124,29 @@ def check_hla_args(args: Any) -> None:
             f"--spec {' '.join(spec)} with --attention {args.attention}: the entry point "
             "builds the HLA layer spec itself; drop --spec (or use --attention softmax)."
         )
-    # the options only some operators take, as the operators' facts say (hla2's
-    # normalize and ridge): a flag of one the chosen operator does not take is refused
+    check_hla_options(args.attention, {f.name: getattr(args, "hla_" + f.name)
+                                       for f in HLAConfig.flag_fields()
+                                       if hasattr(args, "hla_" + f.name)})
+
+
+def check_hla_options(attention: str, options: Any) -> None:
+    """Refuse an option only other operators take (hla2's normalize and ridge, as the
+    operators' facts say), set away from its default with ``--attention attention``.
+
+    ``options``: an :class:`hla_sp.config.HLAConfig` (the trainer's, whole) or a mapping
+    of its flag fields' values.
+
+    Raises:
+        ValueError: naming the flag, the operators that take it and ``attention``.
+    """
+    if attention == "softmax":
+        return
     facts, defaults = operator_facts(), HLAConfig()
     for f in HLAConfig.flag_fields():
         takers = [n for n, fact in facts.items() if f.name in fact.options]
-        value = getattr(args, "hla_" + f.name, getattr(defaults, f.name))
-        if takers and args.attention not in takers and value != getattr(defaults, f.name):
+        default = getattr(defaults, f.name)
+        value = (options.get(f.name, default) if isinstance(options, dict)
+                 else getattr(options, f.name))
+        if takers and attention not in takers and value != default:
             raise ValueError(f"--hla-{f.name.replace('_', '-')}: {'/'.join(takers)} only, got "
-                             f"--attention {args.attention}")
+                             f"--attention {attention}")

@@ -71,9 +71,10 @@ class HLACoreAttention(MegatronModule):
         cp_comm_type: unused (the exchange method is ``sp_method``).
         pg_collection: process groups; ``tp`` and ``cp`` are used when present,
             else megatron's ``parallel_state``.
-        options: the fields of :class:`hla_sp.config.HLAConfig` (operator, decay,
+        hla: the layer spec's :class:`hla_sp.config.HLAConfig`, whole (operator, decay,
             first_order, short_conv, ..., and sp_method, the exchange of the segment
-            summaries across the context-parallel group), keyword-only; checked by it.
+            summaries across the context-parallel group); or, without it,
+        options: its fields, keyword-only; checked by it.
     """
 
     # set while decoding (see RecurrentState); None: every forward is a whole sequence
@@ -89,6 +90,7 @@ class HLACoreAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: Any = None,
+        hla: HLAConfig | None = None,
         **options: Any,
     ):
         super().__init__(config=config)
@@ -97,7 +99,11 @@ class HLACoreAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
         self._check_mask_type(attn_mask_type)
-        hla = HLAConfig(**options)
+        if hla is None:
+            hla = HLAConfig(**options)
+        elif options:
+            raise TypeError(f"options: expected none with hla (an HLAConfig holds them all), "
+                            f"got {sorted(options)}")
         self.sp_method = hla.sp_method
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
@@ -135,8 +141,10 @@ class HLACoreAttention(MegatronModule):
         else:
             device = torch.device("cuda", torch.cuda.current_device())
         ng = groups // tp_size
+        # Megatron's softmax_scale is the operator's query scale (None: kv_channels ** -0.5)
+        scaled = hla if hla.scale == softmax_scale else hla.replace(scale=softmax_scale)
         self.heads = HLAHeads(
-            heads // tp_size, ng, head_dim, **(hla.heads_kwargs() | {"scale": softmax_scale}),
+            heads // tp_size, ng, head_dim, config=scaled,
             head_offset=tp_rank * ng, total_kv_heads=groups, device=device,
             dtype=config.params_dtype,
         )

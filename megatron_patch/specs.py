@@ -70,14 +70,24 @@ def is_hla_builder(builder: Any) -> bool:
     return isinstance(module, type) and issubclass(module, HLACoreAttention)
 
 
-def hla_core_attention_spec(operator: str = _DEFAULTS.operator, **options: Any) -> ModuleSpec:
-    """The ModuleSpec of HLACoreAttention; ``options`` are :class:`hla_sp.config.HLAConfig`
-    fields (decay, first_order, short_conv, sp_method, ...), checked here by the config."""
+def hla_core_attention_spec(operator: str | HLAConfig = _DEFAULTS.operator,
+                            **options: Any) -> ModuleSpec:
+    """The ModuleSpec of HLACoreAttention, whose ``params`` are ``{"hla": HLAConfig}``.
+
+    ``operator`` is an operator's name with ``options`` the other
+    :class:`hla_sp.config.HLAConfig` fields (decay, first_order, short_conv, sp_method,
+    ...), checked here by the config; or a whole HLAConfig (the trainer's), which passes
+    as it is, without options."""
+    if isinstance(operator, HLAConfig):
+        if options:
+            raise TypeError(f"options: expected none with an HLAConfig (it holds them all), "
+                            f"got {sorted(options)}")
+        return ModuleSpec(module=HLACoreAttention, params={"hla": operator})
     unknown = sorted(set(options) - set(HLA_FIELDS))
     if unknown:
         raise TypeError(f"options: expected HLAConfig fields {HLA_FIELDS}, got {unknown}")
     cfg = HLAConfig(operator=operator, **options)  # type: ignore[arg-type]
-    return ModuleSpec(module=HLACoreAttention, params=dataclasses.asdict(cfg))
+    return ModuleSpec(module=HLACoreAttention, params={"hla": cfg})
 
 
 def _split_options(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -100,12 +110,13 @@ def _replace_core_attention(layer_spec: ModuleSpec, core: ModuleSpec) -> ModuleS
     return layer_spec
 
 
-def get_hla_layer_local_spec(operator: str = _DEFAULTS.operator, **kwargs: Any) -> ModuleSpec:
+def get_hla_layer_local_spec(operator: str | HLAConfig = _DEFAULTS.operator,
+                             **kwargs: Any) -> ModuleSpec:
     """``get_gpt_layer_local_spec`` with HLA as core attention.
 
     ``kwargs`` that are :class:`hla_sp.config.HLAConfig` fields become the core
-    attention's params; the rest go to megatron-core's function unchanged (e.g.
-    ``normalization="RMSNorm"``).
+    attention's config (or ``operator`` is a whole HLAConfig); the rest go to
+    megatron-core's function unchanged (e.g. ``normalization="RMSNorm"``).
     """
     hla, megatron_kwargs = _split_options(kwargs)
     core = hla_core_attention_spec(operator, **hla)
@@ -123,7 +134,8 @@ def te_available() -> bool:
     return True
 
 
-def get_hla_layer_te_spec(operator: str = _DEFAULTS.operator, **kwargs: Any) -> ModuleSpec:
+def get_hla_layer_te_spec(operator: str | HLAConfig = _DEFAULTS.operator,
+                          **kwargs: Any) -> ModuleSpec:
     """``get_gpt_layer_with_transformer_engine_spec`` with HLA as core attention (kwargs
     split as in :func:`get_hla_layer_local_spec`).
 
@@ -138,7 +150,8 @@ def get_hla_layer_te_spec(operator: str = _DEFAULTS.operator, **kwargs: Any) -> 
     return _replace_core_attention(te, core)
 
 
-def get_hla_layer_spec(operator: str = _DEFAULTS.operator, *, use_te: bool | None = None,
+def get_hla_layer_spec(operator: str | HLAConfig = _DEFAULTS.operator, *,
+                       use_te: bool | None = None,
                        **kwargs: Any) -> ModuleSpec:
     """The TE variant when ``transformer_engine`` imports (or ``use_te``), else local."""
     if use_te is None:

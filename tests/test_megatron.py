@@ -161,7 +161,7 @@ def test_spec_route_through_megatrons_importer():
     for op in HLA_OPERATORS:  # every higher-order operator of the table has its spec
         spec = import_module(("hla_sp.megatron_patch.specs", f"{op}_layer_spec"))
         core = spec.submodules.self_attention.submodules.core_attention
-        assert is_hla_builder(core) and core.params["operator"] == op
+        assert is_hla_builder(core) and core.params["hla"].operator == op
 
 
 def test_spec_import_error_is_not_swallowed(monkeypatch):
@@ -194,19 +194,28 @@ def test_specs_te_and_fallback():
 
     spec = get_hla_layer_spec("hla3", use_te=False, decay="fixed", normalization="RMSNorm")
     params = spec.submodules.self_attention.submodules.core_attention.params
-    assert params["operator"] == "hla3" and params["decay"] == "fixed"
+    assert params["hla"].operator == "hla3" and params["hla"].decay == "fixed"
     if te_available():
         te = get_hla_layer_te_spec("hla2")
-        assert te.submodules.self_attention.submodules.core_attention.params["operator"] == "hla2"
+        core = te.submodules.self_attention.submodules.core_attention
+        assert core.params["hla"].operator == "hla2"
     else:
         with pytest.raises(RuntimeError, match="transformer_engine"):
             get_hla_layer_te_spec("hla2")
         assert get_hla_layer_spec("hla2").submodules.self_attention.submodules.core_attention \
-            .params["operator"] == "hla2"
+            .params["hla"].operator == "hla2"
     with pytest.raises(ValueError, match="operator"):
         get_hla_layer_local_spec("softmax")
     with pytest.raises(ValueError, match="sp_method"):
         get_hla_layer_local_spec("hla2", sp_method="a2a")
+    # a whole HLAConfig passes as it is, the same object down to the core attention
+    from hla_sp.config import HLAConfig
+
+    hla = HLAConfig(operator="ahla", decay="data")
+    core = get_hla_layer_local_spec(hla).submodules.self_attention.submodules.core_attention
+    assert core.params["hla"] is hla
+    with pytest.raises(TypeError, match="expected none with an HLAConfig"):
+        get_hla_layer_local_spec(hla, decay="fixed")
 
 
 # ------------------------------------------------------------- models (in a gloo world)

@@ -88,6 +88,8 @@ class HLAHeads(nn.Module):
         head_offset: global index of the first kv head (tensor parallelism), so the
             fixed schedule does not restart on every rank.
         total_kv_heads: kv heads over all ranks (the schedule's length); default Hkv.
+        config: an :class:`hla_sp.config.HLAConfig` that holds the options above, whole
+            (then none of them is passed).
     """
 
     def __init__(
@@ -109,6 +111,7 @@ class HLAHeads(nn.Module):
         scale: float | None = DEFAULTS.scale,
         chunk_size: int = DEFAULTS.chunk_size,
         precision: str = DEFAULTS.precision,
+        config: HLAConfig | None = None,
         norm_eps: float = 1e-5,
         head_offset: int = 0,
         total_kv_heads: int | None = None,
@@ -123,8 +126,18 @@ class HLAHeads(nn.Module):
             raise ValueError(f"num_kv_heads: expected a divisor of num_heads = {num_heads}, "
                              f"got {self.num_kv_heads}")
         self.head_dim = validate.check_pos_int("head_dim", head_dim)
-        # One set of choices and checks: the config's.
-        self.config = HLAConfig(
+        # One set of choices and checks: the config's (given whole, or built here).
+        given = {"operator": operator, "decay": decay, "qk_norm": qk_norm,
+                 "output_norm": output_norm, "first_order": first_order, "mix_norm": mix_norm,
+                 "short_conv": short_conv, "normalize": normalize, "eps": eps, "ridge": ridge,
+                 "scale": scale, "chunk_size": chunk_size, "precision": precision}
+        if config is not None:
+            if not isinstance(config, HLAConfig):
+                raise TypeError(f"config: expected an HLAConfig, got {type(config).__name__}")
+            set_too = sorted(k for k, v in given.items() if v != getattr(DEFAULTS, k))
+            if set_too:
+                raise TypeError(f"config: expected no other HLA option beside it, got {set_too}")
+        self.config = config if config is not None else HLAConfig(
             operator=validate.check_choice("operator", operator, operator_names()),
             decay=validate.check_choice("decay", decay, DECAYS),  # type: ignore[arg-type]
             qk_norm=qk_norm, output_norm=output_norm, first_order=first_order,

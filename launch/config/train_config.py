@@ -51,6 +51,8 @@ from hla_sp.launch.train.config import (
     PerformanceConfig,
     PrecisionConfig,
 )
+from hla_sp.megatron_patch.args import add_hla_args, check_hla_options
+from hla_sp.megatron_patch.hybrid import add_hybrid_args
 
 from hla_sp.config import HLAConfig, hla_operator_names
 
@@ -235,11 +237,7 @@ _MEGATRON_SPELLINGS = {
 
 def add_hla_flags(parser: argparse.ArgumentParser) -> None:
     """Add ``--attention`` and the ``--hla-*`` flags from the Megatron drop-in."""
-    from hla_sp.megatron_patch import add_hla_args
-
     add_hla_args(parser)
-    from hla_sp.megatron_patch.hybrid import add_hybrid_args
-
     add_hybrid_args(parser)  # --hla-layer-pattern: HLA in some layers, softmax in the rest
     # The trainer exists to train HLA; Megatron's own entry point keeps softmax as default.
     parser.set_defaults(attention=ModelConfig.attention)
@@ -273,20 +271,19 @@ def build_parser(
 
 
 def config_from_flags(ns: dict[str, Any]) -> TrainConfig:
-    """The config of parsed flags (argparse's destinations, ``hla_decay`` ...)."""
-    from hla_sp.megatron_patch import check_hla_args
-
-    try:  # the Megatron drop-in's own checks first: their messages name the flags
-        check_hla_args(argparse.Namespace(**ns))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    """The config of parsed flags (argparse's destinations, ``hla_decay`` ...): the one
+    place the run's :class:`HLAConfig` is built; it passes whole from here on."""
     kw = {name: _section(cls, {f.name: ns[f.name] for f in dataclasses.fields(cls)  # type: ignore[arg-type]
                                if f.name in ns}, name)
           for name, cls in SECTIONS.items()}
     attention = kw["model"].attention
+    try:  # the Megatron drop-in's check first, once: its message names the flag
+        check_hla_options(attention, {k[4:]: v for k, v in ns.items() if k.startswith("hla_")})
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     operator = attention if attention in hla_operator_names() else HLAConfig.operator
     try:
-        hla = HLAConfig.from_flags(argparse.Namespace(**ns), operator=operator)
+        hla = HLAConfig.from_flags(ns, operator=operator)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config section 'hla': {e}") from None
     return TrainConfig(**kw, hla=hla)

@@ -13,14 +13,12 @@ the HF model has HLA in every layer.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import re
 
 import torch
 from hla_sp.launch.config.train_config import TrainConfig
 
-from hla_sp.config import HLAConfig
 from hla_sp.hf import HLASPConfig, HLASPForCausalLM
 
 
@@ -38,7 +36,6 @@ def hf_config_from_train(cfg: TrainConfig, vocab_size: int, eod: int) -> HLASPCo
     """
     from hla_sp.launch.export.generate import decode_config
     from hla_sp.launch.model.build import model_dtype, softmax_layers, transformer_config
-    from hla_sp.megatron_patch import hla_spec_kwargs
 
     softmax = softmax_layers(cfg)
     if softmax is not None:
@@ -61,9 +58,10 @@ def hf_config_from_train(cfg: TrainConfig, vocab_size: int, eod: int) -> HLASPCo
         if got != want:
             raise ConvertError(f"TransformerConfig.{name}: expected {want!r} (what the HF "
                                f"model computes), got {got!r}")
-    hla = HLAConfig(**hla_spec_kwargs(argparse.Namespace(**cfg.hla_flags())))
-    # HLACoreAttention passes Megatron's softmax_scale as the query scale
-    hla = hla.replace(scale=tc.softmax_scale)
+    # the run's HLAConfig, whole; HLACoreAttention passes Megatron's softmax_scale as the
+    # query scale
+    hla = cfg.hla if cfg.hla.scale == tc.softmax_scale else cfg.hla.replace(
+        scale=tc.softmax_scale)
     return HLASPConfig(
         vocab_size=vocab_size,
         hidden_size=cfg.model.hidden_size,

@@ -12,7 +12,6 @@ Choices forced by CPU runs, harmless on GPU:
 
 from __future__ import annotations
 
-import argparse
 import functools
 from typing import Any
 
@@ -37,9 +36,9 @@ def layer_spec(cfg: TrainConfig) -> Any:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         return get_gpt_layer_local_spec()
-    from hla_sp.megatron_patch import get_hla_layer_local_spec, hla_spec_kwargs
+    from hla_sp.megatron_patch import get_hla_layer_local_spec
 
-    spec = get_hla_layer_local_spec(**hla_spec_kwargs(argparse.Namespace(**cfg.hla_flags())))
+    spec = get_hla_layer_local_spec(cfg.hla)  # the run's HLAConfig, whole
     if cfg.model.hla_layer_pattern is None:
         return spec
     from hla_sp.megatron_patch.hybrid import hybrid_block_spec, layer_pattern
