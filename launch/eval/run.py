@@ -38,6 +38,7 @@ from hla_sp.launch.distributed.process_groups import (  # noqa: E402
 from hla_sp.launch.eval import report as eval_report  # noqa: E402
 from hla_sp.launch.eval.command import Plan, build_parser, make_plan, prepare_output  # noqa: E402
 from hla_sp.launch.eval.tasks import bucket_of, buckets, passkey  # noqa: E402
+from hla_sp.launch.model.loss import token_losses  # noqa: E402
 from hla_sp.launch.train import metrics  # noqa: E402
 from hla_sp.megatron_patch.compat import cp_split  # noqa: E402
 
@@ -72,7 +73,7 @@ def ppl_length(model: torch.nn.Module, plan: Plan, length: int, device: torch.de
     per_sample = []
     for i in range(plan.args.samples):
         b = _local(plan.data.window(i, length), device)
-        loss = model(b["tokens"], b["position_ids"], None, labels=b["labels"])[0]  # [s_local]
+        loss = token_losses(model, b)[0]  # [s_local]
         which = bucket_of(b["position_ids"][0], first)
         part = torch.zeros_like(total)
         part[0].index_add_(0, which, loss.double())

@@ -18,8 +18,7 @@ from typing import Any
 import torch
 from hla_sp.launch.config.train_config import TrainConfig
 from hla_sp.launch.model.estimate import loss_chunk_tokens
-from hla_sp.launch.model.loss import use_chunked_loss
-from hla_sp.megatron_patch.vocab import mask_padded_vocab
+from hla_sp.launch.model.loss import install_loss
 from torch.utils.checkpoint import checkpoint
 
 
@@ -155,12 +154,7 @@ def build_model(
     # table, HLA's own parameters)
     with torch.device(device) if on_gpu else contextlib.nullcontext():
         model = _gpt(GPTModel, cfg, vocab_size, device)
-    # the padded rows take no probability, so the loss does not depend on the padding
-    # (--make-vocab-size-divisible-by x TP), nor on what resharding put in those rows
-    mask_padded_vocab(model, vocab_size)
-    chunk = loss_chunk_tokens(cfg)
-    if chunk:  # with labels, the loss without all logits at once (--loss-chunk-tokens)
-        use_chunked_loss(model, chunk)
+    install_loss(model, vocab_size, loss_chunk_tokens(cfg))
     if cfg.performance.compile:  # before recompute, which then wraps the compiled layers
         from hla_sp.launch.model.compiling import compile_layers
 

@@ -1,4 +1,16 @@
-"""Output projection and cross-entropy over sequence chunks: never all logits at once.
+"""The training loss, owned here: what the model returns for a batch, and its reduction.
+
+:func:`install_loss` is the one place the model's loss is set up (by
+:func:`~hla_sp.launch.model.build.build_model`): padding ids take no probability
+(:func:`hla_sp.megatron_patch.vocab.mask_padded_vocab`), and with ``--loss-chunk-tokens``
+the loss is computed over sequence chunks. :func:`token_losses` is the one call that
+asks the model for per-token losses (the trainer's step and evaluation, ``hla-sp eval``)
+and :func:`masked_loss_sum` the one reduction of them. Megatron-core has no public seam
+between the final norm and the output layer, so the chunked path wraps GPTModel's
+``_postprocess`` (with labels only); its vocabulary slice is computed here from the
+output layer, not read from another module's attribute.
+
+Output projection and cross-entropy over sequence chunks: never all logits at once.
 
 The plain path (GPTModel's output layer, then ``vocab_parallel_cross_entropy``) holds
 fp32 logits, their softmax and its gradient for every token of the rank: 12 bytes per
@@ -26,10 +38,33 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from hla_sp.megatron_patch.vocab import padding_columns
+from hla_sp.megatron_patch.vocab import PaddedVocabMask, mask_padded_vocab, padding_columns
 from torch import Tensor
 
-__all__ = ["ChunkedLinearCrossEntropy", "chunked_cross_entropy", "use_chunked_loss"]
+__all__ = ["ChunkedLinearCrossEntropy", "chunked_cross_entropy", "install_loss",
+           "masked_loss_sum", "token_losses", "use_chunked_loss"]
+
+
+def install_loss(model: torch.nn.Module, vocab_size: int, chunk: int | None) -> None:
+    """Set up ``model``'s loss: the padded ids (>= ``vocab_size``) masked, so the loss
+    does not depend on the padding (--make-vocab-size-divisible-by x TP) nor on what
+    resharding put in those rows; and with ``chunk`` tokens (--loss-chunk-tokens), the
+    loss without all logits at once."""
+    mask_padded_vocab(model, vocab_size)
+    if chunk:
+        use_chunked_loss(model, chunk, vocab_size)
+
+
+def token_losses(model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    """Per-token losses [b, s_local] (fp32) of a batch of ``tokens``, ``position_ids`` and
+    ``labels`` [b, s_local]: the model called with labels."""
+    return model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+
+
+def masked_loss_sum(per_token: Tensor, loss_mask: Tensor) -> Tensor:
+    """The sum of the per-token losses [b, s] where ``loss_mask`` [b, s] is 1 (fp32);
+    divided by the global count of such tokens, it is the token-mean loss."""
+    return (per_token.float() * loss_mask).sum()
 
 
 def _chunk_logits(h: Tensor, weight: Tensor, pad_from: int) -> Tensor:
@@ -116,6 +151,7 @@ def chunked_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, chunk:
     if list(labels.shape) != [b, s]:
         raise ValueError(f"labels: expected shape [b, s] = {[b, s]}, got {list(labels.shape)}")
     if group is not None and dist.get_world_size(group) > 1:
+        # megatron-core only under TP (the extra is imported where it is needed)
         from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
         hidden = copy_to_tensor_model_parallel_region(hidden, group=group)
@@ -130,11 +166,10 @@ def chunked_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, chunk:
     return loss.view(s, b).t().contiguous()
 
 
-def use_chunked_loss(model: torch.nn.Module, chunk: int) -> int:
+def use_chunked_loss(model: torch.nn.Module, chunk: int, vocab_size: int) -> int:
     """Make every GPTModel in ``model`` compute its loss with :func:`chunked_cross_entropy`,
-    ``chunk`` tokens at a time, when called with labels; returns how many were changed.
-    Needs :func:`hla_sp.megatron_patch.vocab.mask_padded_vocab` applied first (the true
-    vocabulary and this rank's slice come from its hook)."""
+    ``chunk`` tokens at a time, when called with labels, ids >= ``vocab_size`` being
+    padding; returns how many were changed."""
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk: expected an int >= 1 (tokens per chunk), got {chunk!r}")
     changed = 0
@@ -142,13 +177,12 @@ def use_chunked_loss(model: torch.nn.Module, chunk: int) -> int:
         layer = getattr(m, "output_layer", None)
         if layer is None or not hasattr(m, "_postprocess"):
             continue
-        if getattr(layer, "_hla_vocab_mask", None) is None:
-            raise ValueError("use_chunked_loss: expected mask_padded_vocab(model, vocab) "
-                             "applied first, got an output layer without its hook")
         if getattr(layer, "sequence_parallel", False):
             raise ValueError("use_chunked_loss: expected sequence_parallel=False (the "
                              "hidden states whole on each TP rank), got True")
-        m._postprocess = _ChunkedPost(m, m._postprocess, chunk)
+        # this rank's slice of the padded vocabulary, as the padding mask sees it
+        m._postprocess = _ChunkedPost(m, m._postprocess, chunk,
+                                      PaddedVocabMask(layer, vocab_size))
         changed += 1
     return changed
 
@@ -157,8 +191,8 @@ class _ChunkedPost:
     """GPTModel._postprocess with labels through the chunked loss; everything else
     (no labels, multi-token prediction, inference) through megatron's own."""
 
-    def __init__(self, gpt: Any, original: Any, chunk: int):
-        self.gpt, self.original, self.chunk = gpt, original, chunk
+    def __init__(self, gpt: Any, original: Any, chunk: int, vocab: PaddedVocabMask):
+        self.gpt, self.original, self.chunk, self.vocab = gpt, original, chunk, vocab
 
     def __call__(self, **kw: Any) -> Tensor:
         gpt = self.gpt
@@ -168,13 +202,12 @@ class _ChunkedPost:
         layer = gpt.output_layer
         weight = gpt.shared_embedding_or_output_weight() \
             if gpt.share_embeddings_and_output_weights else layer.weight
-        mask = layer._hla_vocab_mask[0]
-        group = None
-        if mask.per_rank != mask.full:
+        vocab, group = self.vocab, None
+        if vocab.per_rank != vocab.full:
             group = getattr(layer, "tp_group", None)
-            if group is None:
+            if group is None:  # a megatron-core without the layer's own group
                 from megatron.core import parallel_state
 
                 group = parallel_state.get_tensor_model_parallel_group()
         return chunked_cross_entropy(kw["hidden_states"], weight, kw["labels"], self.chunk,
-                                     mask.vocab_size, mask.rank, group)
+                                     vocab.vocab_size, vocab.rank, group)

@@ -29,6 +29,7 @@ from hla_sp.launch.config.train_config import TrainConfig
 from hla_sp.launch.data.datasets import microbatches
 from hla_sp.launch.distributed import faults, signals
 from hla_sp.launch.distributed.process_groups import Topology
+from hla_sp.launch.model.loss import masked_loss_sum, token_losses
 from hla_sp.launch.train import metrics
 from hla_sp.launch.train.components import CheckpointManager, ModelParts, RunMetrics, TrainData
 from hla_sp.launch.train.nonfinite import NonFiniteError, non_finite, stop_line
@@ -88,9 +89,8 @@ class Trainer:
         with torch.no_grad():
             for i in range(self.cfg.evaluation.eval_iters):
                 for b in self._batches(self.data.valid_samples, i * self.global_batch):
-                    per_token = self.model(b["tokens"], b["position_ids"], None,
-                                           labels=b["labels"])
-                    total[0] += (per_token.float() * b["loss_mask"]).sum().double()
+                    per_token = token_losses(self.model, b)
+                    total[0] += masked_loss_sum(per_token, b["loss_mask"]).double()
                     total[1] += b["loss_mask"].sum().double()
                     if recall:
                         hit = self._predicted(b) == b["labels"]
@@ -142,10 +142,7 @@ class Trainer:
         scale = self.scaler.scale if self.scaler is not None else 1.0
         loss_sum = torch.zeros(1, dtype=torch.float64, device=topo.device)
         for b in batches:
-            per_token = self.model(
-                b["tokens"], b["position_ids"], None, labels=b["labels"]
-            )  # [b, s_local]
-            local = (per_token.float() * b["loss_mask"]).sum()
+            local = masked_loss_sum(token_losses(self.model, b), b["loss_mask"])
             (local * (scale / max(total_tokens, 1.0))).backward()
             self.masters.accumulate()  # half grads into fp32 ones, microbatch by microbatch
             loss_sum += local.detach().double()
