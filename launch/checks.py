@@ -16,8 +16,11 @@ import os
 import typing
 
 from hla_sp.launch.checkpoint.resume_checks import check_load, check_skip_train
+from hla_sp.launch.data.datasets import DatasetError, parse_data_path, recall_layout_error
+from hla_sp.launch.data.indexed_dataset import check_indexed_dataset
 from hla_sp.launch.data.tokenizer import check_data_tokenizer, check_run_tokenizer
 from hla_sp.launch.errors import ConfigError
+from hla_sp.launch.extras import installed
 from hla_sp.megatron_patch.hybrid import check_trainer_hybrid
 
 __all__ = ["check_performance", "profile_dir", "validate"]
@@ -145,8 +148,6 @@ def _check_attention(cfg: TrainConfig) -> None:
 def _check_data(cfg: TrainConfig) -> None:
     """--data-path names readable indexed datasets; the recall layout fits the CP split."""
     if cfg.data.data_path:
-        from hla_sp.launch.data.datasets import DatasetError, parse_data_path
-        from hla_sp.launch.data.indexed_dataset import check_indexed_dataset
 
         try:  # Megatron's weighted form, 0.5 A 0.5 B, names the prefixes A and B
             prefixes = parse_data_path(cfg.data.data_path)[0]
@@ -169,8 +170,6 @@ def _check_data(cfg: TrainConfig) -> None:
     if cfg.data.data == "text":
         _check_samples(cfg)
     if cfg.data.data == "synthetic-recall":
-        from hla_sp.launch.data.datasets import recall_layout_error
-
         msg = recall_layout_error(cfg.model.seq_length, cfg.parallelism.context_parallel_size,
                                   cfg.data.recall_pairs)
         if msg:
@@ -194,8 +193,6 @@ def _check_samples(cfg: TrainConfig) -> None:
 
 def _check_loggers(cfg: TrainConfig) -> None:
     """--tensorboard-dir and --wandb-project need their packages; say which to install."""
-    from hla_sp.launch.extras import installed
-
     if cfg.logging.tensorboard_dir and not installed("tensorboard"):
         raise ConfigError(
             f"--tensorboard-dir {cfg.logging.tensorboard_dir}: TensorBoard's writer needs the "

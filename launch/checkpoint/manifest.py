@@ -28,8 +28,10 @@ Checkpoints written before the manifest load with a one-line warning.
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
+import zlib
 from typing import Any
 
 import torch.distributed as dist
@@ -53,8 +55,6 @@ _HINT = "resume from another iteration with --ckpt-step"
 def digest(path: str, algorithm: str | None = None) -> tuple[int, str]:
     """(size in bytes, hex digest) of one file, read in 4 MiB blocks; ``algorithm`` is
     a hashlib name or ``crc32`` (zlib's), default :data:`ALGORITHM`."""
-    import hashlib
-    import zlib
 
     algorithm = algorithm or ALGORITHM
     h = None if algorithm == "crc32" else hashlib.new(algorithm)

@@ -3,7 +3,9 @@ learning-rate schedule (Megatron's rule), each refused in one line with the numb
 
 from __future__ import annotations
 
+import glob
 import os
+import shlex
 import shutil
 from typing import Any
 
@@ -18,7 +20,10 @@ from hla_sp.launch.checkpoint.layout import (
     iter_dir,
     resume_iteration,
 )
+from hla_sp.launch.checkpoint.lock import check_save_lock
 from hla_sp.launch.checkpoint.run_config import saved_config
+from hla_sp.launch.distributed import signals
+from hla_sp.launch.errors import ConfigError
 
 
 def dir_bytes(path: str) -> int:
@@ -84,8 +89,6 @@ def check_save_dir(cfg: Any) -> None:
     ``--keep-last`` >= 1, and free space for one checkpoint at the current size (the
     newest one in --load or --save, else an estimate from the model). Raises
     ``ConfigError`` with the number."""
-    from hla_sp.launch.errors import ConfigError
-
     save, keep = cfg.checkpoint.save, getattr(cfg.checkpoint, "keep_last", None)
     if keep is not None and (isinstance(keep, bool) or keep < 1):
         raise ConfigError(f"--keep-last: expected an integer >= 1, got {keep!r}")
@@ -141,8 +144,6 @@ def _leftovers(save: str) -> str:
     """What an interrupted save (a full disk, a kill) left in ``save`` and what it holds,
     as a clause of the space error: the next save would remove it, but only after this
     check, so the user is told to (it is not removed here: another run may be writing)."""
-    import glob
-
     found = sorted(glob.glob(os.path.join(glob.escape(save), "iter_*.tmp")))
     found = [d for d in found if os.path.isdir(d) and not os.path.islink(d)]
     if not found:
@@ -183,8 +184,6 @@ def check_resume_schedule(cfg: Any) -> None:
     """Megatron's rule on resume: a changed learning-rate schedule is refused with the
     diff, unless --override-opt_param-scheduler (this run's flags win) or
     --use-checkpoint-opt_param-scheduler (the checkpoint's schedule wins) says which."""
-    from hla_sp.launch.errors import ConfigError
-
     override = getattr(cfg.checkpoint, "override_opt_param_scheduler", False)
     use_ckpt = getattr(cfg.checkpoint, "use_checkpoint_opt_param_scheduler", False)
     if override and use_ckpt:
@@ -219,10 +218,6 @@ def nothing_to_do(cfg: Any, argv: list[str] | None = None) -> str | None:
     checkpoint's schedule (--use-checkpoint-opt_param-scheduler), so that the new
     iterations continue at --min-lr instead of jumping back up a longer decay.
     """
-    import shlex
-
-    from hla_sp.launch.distributed import signals
-
     if getattr(cfg.evaluation, "skip_train", False) or cfg.checkpoint.load is None:
         return None
     resume = resume_iteration(cfg.checkpoint.load, cfg.checkpoint.ckpt_step)
@@ -250,8 +245,6 @@ def check_resume_layout(cfg: Any) -> None:
     """A checkpoint of the first format (one file per TP rank) resumes only at the TP
     size that wrote it: refused here, before any process group, saying how to convert
     it. The current format loads at any TP, CP and DP size."""
-    from hla_sp.launch.errors import ConfigError
-
     try:
         it = resume_iteration(cfg.checkpoint.load, cfg.checkpoint.ckpt_step)
     except CheckpointError:
@@ -272,8 +265,6 @@ def preflight(cfg: Any) -> None:
     (no process group, nothing written): :func:`check_save_dir`,
     :func:`check_resume_schedule` and :func:`check_resume_layout`; and that no other
     run holds --save (:func:`~hla_sp.launch.checkpoint.lock.check_save_lock`)."""
-    from hla_sp.launch.checkpoint.lock import check_save_lock
-
     check_save_dir(cfg)
     check_save_lock(cfg.checkpoint.save, getattr(cfg.checkpoint, "break_save_lock", False))
     check_resume_schedule(cfg)

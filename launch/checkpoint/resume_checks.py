@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+from hla_sp.launch.checkpoint import CheckpointError, resume_iteration
 from hla_sp.launch.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -72,8 +73,6 @@ def config_diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
 
 def check_skip_train(cfg: TrainConfig) -> None:
     """--skip-train evaluates a checkpoint: it needs one in --load and writes none."""
-    from hla_sp.launch.checkpoint import CheckpointError, resume_iteration
-
     if cfg.checkpoint.save is not None:
         raise ConfigError(f"--skip-train trains and saves nothing: expected no --save, "
                           f"got --save {cfg.checkpoint.save}")

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from hla_sp.launch.checkpoint.layout import CheckpointError, read_torch_file, warn_once
 
 
 def rng_state() -> dict[str, Any]:
@@ -46,8 +47,6 @@ def restore_rng(d: str, rank: int, saved: dict[str, int], now: dict[str, int]) -
     """Set this rank's RNGs from checkpoint directory ``d`` when the run has the layout
     that wrote it (the sizes ``saved`` records); otherwise, or without the file, keep
     the fresh streams and say that the resume is not bitwise."""
-    from hla_sp.launch.checkpoint.layout import CheckpointError, read_torch_file, warn_once
-
     path = os.path.join(d, f"rng_rank{rank:05d}.pt")
     if any(now.get(k) != v for k, v in saved.items()):
         # every rank sees the same layouts: one line, from rank 0

@@ -6,8 +6,11 @@ a malformed file must fail in one line that names the key, never deep inside the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import types
+import typing
 from typing import Any
 
 import torch
@@ -19,6 +22,8 @@ from hla_sp.launch.checkpoint.layout import (
     checkpoint_dir,
     read_torch_file,
 )
+from hla_sp.launch.errors import ConfigError
+from hla_sp.megatron_patch.args import import_custom
 
 # deeper than this, a config.json is not one the trainer wrote (its deepest value is a
 # list inside the hla table: depth 3); checked before json.loads, which would recurse
@@ -55,8 +60,6 @@ def _json_depth_error(text: str) -> str | None:
 def _type_error(name: str, value: Any, hint: Any) -> str | None:
     """Why ``value`` cannot be the value of config field ``name`` (annotation ``hint``),
     or None if it can."""
-    import types
-    import typing
 
     args = typing.get_args(hint)
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
@@ -96,8 +99,6 @@ def check_config_dict(cfg: Any, where: str) -> dict[str, Any]:
     """A saved trainer config, in sections or in the flat form of earlier versions, every
     known key of the right type; keys this version does not know (a newer trainer's) are
     kept. Raises :class:`CheckpointError` naming the key, its value and what was expected."""
-    import dataclasses
-    import typing
 
     from hla_sp.launch.config.train_config import SECTIONS, is_sectioned
 
@@ -183,8 +184,6 @@ def load_run_config(load: str, step: int | None = None) -> tuple[Any, int]:
     in one line."""
     from hla_sp.launch.checkpoint.layout import LATEST, checkpoint_dir, latest_iteration
     from hla_sp.launch.config.train_config import TrainConfig, flat_config
-    from hla_sp.launch.errors import ConfigError
-    from hla_sp.megatron_patch.args import import_custom
 
     if not os.path.isdir(load):
         raise ConfigError(f"--load {load}: no such directory")

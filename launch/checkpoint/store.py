@@ -36,6 +36,7 @@ from hla_sp.launch.checkpoint.layout import (
     remove_leftovers,
 )
 from hla_sp.launch.checkpoint.rng import restore_rng, rng_state
+from hla_sp.launch.distributed import faults
 from hla_sp.launch.distributed.dist_optimizer import half_dtype
 
 FORMAT = 2  # 1: one torch.save file per TP rank (read by .legacy); 2: DCP
@@ -83,8 +84,6 @@ def save(
     non-finite must leave a checkpoint to go back to. Every file's size and SHA-256
     go into ``manifest.json`` (:mod:`.manifest`), which a load verifies.
     """
-    from hla_sp.launch.distributed import faults
-
     del tp_rank  # the pieces carry their place: no per-TP-rank file any more
     with faults.saving(iteration):
         return _save(root, iteration, rank, world_size, writes_model, model, optimizer,
@@ -98,8 +97,6 @@ def _save(
     consumed_samples: int, config: dict[str, Any], extra: dict[str, Any],
     keep_last: int | None, finite: bool, loaded: int | None,
 ) -> str:
-    from hla_sp.launch.distributed import faults
-
     final = iter_dir(root, iteration)
     tmp = final + ".tmp"
     if rank == 0:

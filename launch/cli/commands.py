@@ -32,10 +32,17 @@ from hla_sp.launch.checkpoint.layout import CheckpointError
 from hla_sp.launch.checkpoint.preflight_checks import nothing_to_do, preflight
 from hla_sp.launch.checks import validate
 from hla_sp.launch.config.train_config import ConfigError, TrainConfig, build_parser, parse_args
-from hla_sp.launch.data.datasets import DatasetError
+from hla_sp.launch.data.datasets import BYTE_VOCAB, DatasetError
+from hla_sp.launch.data.make_dataset import main as make_main
 from hla_sp.launch.distributed.local import MALLOC_MMAP_THRESHOLD
+from hla_sp.launch.distributed.signals import COMMAND_ENV
 from hla_sp.launch.errors import DEBUG_ENV, debug
+from hla_sp.launch.eval.command import main as eval_main
+from hla_sp.launch.export.command import main as export_main
+from hla_sp.launch.export.generate import main as generate_main
 from hla_sp.launch.extras import require
+from hla_sp.launch.model.estimate import planned_device_memory, summary
+from hla_sp.launch.sweep.ray_sweep import main as sweep_main
 
 
 def torchrun_command(launch: argparse.Namespace, trainer_argv: list[str],
@@ -139,7 +146,6 @@ def planned_vocab(cfg: TrainConfig) -> int:
             f"--dry-run: expected --vocab-size with --data-path (the plan reads no data file, "
             f"so it cannot see the tokenizer's vocabulary: pass it, e.g. --vocab-size 50257 "
             f"for GPT-2's), got --data-path {' '.join(cfg.data.data_path)} alone")
-    from hla_sp.launch.data.datasets import BYTE_VOCAB
 
     return BYTE_VOCAB
 
@@ -172,8 +178,6 @@ def _train(argv: list[str]) -> int:
             done = nothing_to_do(cfg, ["hla-sp", "train", *argv])
         cmd = torchrun_command(launch, rest)
         if launch.dry_run:
-            from hla_sp.launch.model.estimate import planned_device_memory
-
             vocab, device = planned_vocab(cfg), planned_device_memory(launch.device_memory)
     except (ConfigError, CheckpointError, DatasetError) as e:
         if debug():
@@ -184,8 +188,6 @@ def _train(argv: list[str]) -> int:
         print(done, flush=True)  # a finished run: start nothing
         return 0
     if launch.dry_run:
-        from hla_sp.launch.model.estimate import summary
-
         source = ("--vocab-size" if given_vocab else f"--tokenizer {cfg.model.tokenizer}"
                   if cfg.model.tokenizer else "the byte-level default")
         print(f"plan: vocabulary {vocab:,} ({source}), {device[1]} per rank")
@@ -199,7 +201,6 @@ def _train(argv: list[str]) -> int:
     # torchrun sets 1 for its workers anyway when unset, with a four-line warning saying so
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # the resume line after a signal quotes the user's own command
-    from hla_sp.launch.distributed.signals import COMMAND_ENV
 
     os.environ[COMMAND_ENV] = shlex.join(["hla-sp", "train", *argv])
     if cfg.checkpoint.exit_signal_handler:  # torchrun's wait for its workers before SIGKILL (30 s)
@@ -219,12 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "train":
         return _train(rest)
     if cmd == "sweep":
-        from hla_sp.launch.sweep.ray_sweep import main as sweep_main  # imports Ray lazily
-
         return sweep_main(rest)
     if cmd == "make-dataset":
-        from hla_sp.launch.data.make_dataset import main as make_main
-
         try:
             require("megatron", "hla-sp make-dataset")  # its writer is Megatron's
         except ConfigError as e:
@@ -233,16 +230,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return make_main(rest)
     if cmd == "generate":
-        from hla_sp.launch.export.generate import main as generate_main
-
         return generate_main(rest)
     if cmd == "export":
-        from hla_sp.launch.export.command import main as export_main  # requires megatron itself
-
         return export_main(rest)
     if cmd == "eval":
-        from hla_sp.launch.eval.command import main as eval_main
-
         return eval_main(rest, torchrun_command)  # the workers start as train's do
     print(f"hla-sp: unknown command {cmd!r}\n{usage}", file=sys.stderr)
     return 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import difflib
 import inspect
 import itertools
 import textwrap
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hla_sp.launch.errors import ConfigError
+from hla_sp.megatron_patch.args import custom_imports, import_custom
 
 __all__ = ["OneLineParser", "RaisingParser", "add_dataclass_flags", "expand_config",
            "field_docs", "import_user_modules", "is_number", "nearest_flag", "one_line_error"]
@@ -24,8 +26,6 @@ __all__ = ["OneLineParser", "RaisingParser", "add_dataclass_flags", "expand_conf
 
 def nearest_flag(word: str, flags: typing.Iterable[str]) -> str | None:
     """The known flag closest to a misspelt one (``--seq-len`` -> ``--seq-length``)."""
-    import difflib
-
     flags = list(flags)
     name = word.split("=", 1)[0]
     # a prefix of exactly one flag is the likeliest meaning; else the closest spelling
@@ -278,8 +278,6 @@ def expand_config(argv: list[str],
 def import_user_modules(argv: list[str]) -> None:
     """Import the modules ``argv`` names with ``--custom-import`` (torchtitan's
     ``experimental.custom_import``); a failure is a :class:`ConfigError` naming one."""
-    from hla_sp.megatron_patch.args import custom_imports, import_custom
-
     try:
         import_custom(custom_imports(argv))
     except ValueError as e:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -295,8 +296,6 @@ def parse_args(
     """Parse trainer flags (and ``--config`` TOML files) into a :class:`TrainConfig`;
     with ``raise_errors`` a bad flag raises :class:`ConfigError` instead of exiting with
     one line."""
-    import sys
-
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         # The user's modules first (in the launcher and in every worker): the operators

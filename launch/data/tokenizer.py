@@ -25,6 +25,7 @@ from abc import ABC, abstractmethod
 from typing import Any, Protocol
 
 from hla_sp.launch.errors import ConfigError
+from hla_sp.launch.extras import installed
 
 __all__ = ["BYTES", "RunTokenizer", "StreamDecoder", "TokenizerError", "check_data_tokenizer",
            "check_run_tokenizer", "load_run_tokenizer", "load_tokenizer", "read_sidecar",
@@ -186,8 +187,6 @@ class HFTokenizer(RunTokenizer):
 
 
 def _require_transformers() -> None:
-    from hla_sp.launch.extras import installed
-
     if not installed("transformers"):
         raise TokenizerError('--tokenizer: a Hugging Face tokenizer needs transformers, which '
                              'is not installed: pip install "hla-sp[hf]"')

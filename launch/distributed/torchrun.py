@@ -27,6 +27,9 @@ import os
 import sys
 import tempfile
 
+from hla_sp.launch import errors
+from hla_sp.launch.errors import KNOWN_EXIT, read_failures, read_reports
+
 # what the agent logs on a signal; the workers' own line says it better
 _QUIET = ("death signal", "Closing process", "Sending process", "Got termination signal")
 
@@ -46,8 +49,6 @@ class _DropFailedLine(logging.Filter):
         self.reports = reports
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from hla_sp.launch.errors import read_failures, read_reports
-
         return not ("failed (exitcode" in record.getMessage()
                     and (read_reports(self.reports) or read_failures(self.reports)))
 
@@ -55,15 +56,12 @@ class _DropFailedLine(logging.Filter):
 def known_failure(failures: dict[int, object], reports: list[dict]) -> int:
     """The exit status for a run that stopped on the reported errors: a reporting
     worker's own status (the first failure's rank first), else the known errors' one."""
-    from hla_sp.launch.errors import KNOWN_EXIT
-
     ranks = {int(r.get("rank", -1)) for r in reports}
     codes = [getattr(f, "exitcode", 0) for r, f in sorted(failures.items()) if r in ranks]
     return next((c for c in codes if isinstance(c, int) and c > 0), KNOWN_EXIT)
 
 
 def main(argv: list[str] | None = None, prog: str = "hla-sp train") -> int:
-    from hla_sp.launch import errors
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main

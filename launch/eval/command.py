@@ -21,10 +21,21 @@ import dataclasses
 import os
 import shlex
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
-from hla_sp.launch.errors import ConfigError
+from hla_sp.launch import checkpoint
+from hla_sp.launch.checkpoint.layout import CheckpointError
+from hla_sp.launch.checks import validate
+from hla_sp.launch.config.flags import OneLineParser
+from hla_sp.launch.distributed.local import MALLOC_MMAP_THRESHOLD
+from hla_sp.launch.distributed.torchrun import main as torchrun_main
+from hla_sp.launch.errors import DEBUG_ENV, ConfigError, DatasetError, debug
+from hla_sp.launch.eval import tasks
+from hla_sp.launch.eval.tasks import check_lengths
+from hla_sp.launch.extras import require
+from hla_sp.megatron_patch.args import import_custom
 
 TASKS = ("ppl-by-position", "passkey")
 # the launcher's command line, quoted, for the record the workers write
@@ -33,8 +44,6 @@ WORKER = "hla_sp.launch.eval.run"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hla_sp.launch.config.flags import OneLineParser  # a bad flag in one line, no usage
-
     p = OneLineParser(
         prog="hla-sp eval", allow_abbrev=False,
         description="Measure a checkpoint of hla-sp train at long context: the loss by "
@@ -118,8 +127,6 @@ def _check_model(cfg: Any, cp: int, lengths: list[int]) -> Any:
     """The checkpoint's model at this CP size, checked as the trainer checks it (heads,
     attention, a hybrid's layers under CP); returns that config."""
     import torch
-    from hla_sp.launch.checks import validate
-    from hla_sp.launch.eval.tasks import check_lengths
 
     table = None
     if cfg.model.position_embedding_type == "learned_absolute":
@@ -139,9 +146,6 @@ def _check_model(cfg: Any, cp: int, lengths: list[int]) -> Any:
 
 def make_plan(args: argparse.Namespace) -> Plan:
     """Check the flags, the checkpoint and the data, in that order; nothing is run."""
-    from hla_sp.launch import checkpoint
-    from hla_sp.launch.eval import tasks
-    from hla_sp.megatron_patch.args import import_custom
 
     cp = _check_flags(args)
     lengths = tasks.parse_lengths(args.lengths)
@@ -185,8 +189,6 @@ def prepare_output(args: argparse.Namespace) -> None:
 
 def _environment(argv: list[str], debug: bool) -> None:
     """What the workers inherit: the command for their record, threads, the allocator."""
-    from hla_sp.launch.distributed.local import MALLOC_MMAP_THRESHOLD
-    from hla_sp.launch.errors import DEBUG_ENV
 
     os.environ[COMMAND_ENV] = shlex.join(["hla-sp", "eval", *argv])
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", MALLOC_MMAP_THRESHOLD)
@@ -200,11 +202,6 @@ def _environment(argv: list[str], debug: bool) -> None:
 def main(argv: list[str], torchrun_command: Callable[..., list[str]]) -> int:
     """The ``hla-sp eval`` command: check, then run the workers under torchrun (built by
     ``torchrun_command``, the one ``hla-sp train`` uses); returns the exit status."""
-    import warnings
-
-    from hla_sp.launch.checkpoint.layout import CheckpointError
-    from hla_sp.launch.errors import DatasetError, debug
-    from hla_sp.launch.extras import require
 
     args = build_parser().parse_args(argv)
     warnings.filterwarnings("ignore", message=".*(Apex|apex|Transformer Engine).*")
@@ -227,6 +224,5 @@ def main(argv: list[str], torchrun_command: Callable[..., list[str]]) -> int:
     assert cmd[1:3] == ["-m", "hla_sp.launch.torchrun"], cmd
     _environment(argv, args.debug)
     sys.stdout.flush()
-    from hla_sp.launch.distributed.torchrun import main as torchrun_main
 
     return torchrun_main(cmd[3:], prog="hla-sp eval")

@@ -8,7 +8,9 @@ import os
 import time
 from typing import Any
 
+from hla_sp.launch import checkpoint
 from hla_sp.launch.data.indexed_dataset import BYTE_VOCAB
+from hla_sp.launch.eval.command import output_paths
 from hla_sp.launch.eval.tasks import short
 
 
@@ -16,7 +18,6 @@ def header(plan: Any, topo: Any, command: str) -> dict[str, Any]:
     """The record before any figure: the command, the checkpoint, the model, the layout
     and the text or prompts the figures come from."""
     import torch
-    from hla_sp.launch import checkpoint
 
     args, cfg = plan.args, plan.cfg
     rec: dict[str, Any] = {
@@ -56,8 +57,6 @@ def header(plan: Any, topo: Any, command: str) -> dict[str, Any]:
 
 def write_json(plan: Any, record: dict[str, Any]) -> str:
     """Write the record (whole, or the previous one stays); return its path."""
-    from hla_sp.launch.eval.command import output_paths
-
     path = output_paths(plan.args)[0]
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -94,7 +93,6 @@ def plot(plan: Any, record: dict[str, Any]) -> str:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from hla_sp.launch.eval.command import output_paths
 
     path = output_paths(plan.args)[1]
     results = record["results"]

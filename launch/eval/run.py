@@ -29,15 +29,19 @@ warnings.filterwarnings("ignore", message=".*(Apex|apex|Transformer Engine|full 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from hla_sp.launch import checkpoint  # noqa: E402
+from hla_sp.launch.data.datasets import BYTE_VOCAB  # noqa: E402
 from hla_sp.launch.distributed import faults  # noqa: E402
 from hla_sp.launch.distributed.process_groups import (  # noqa: E402
     Topology,
     init_distributed,
     shutdown,
 )
+from hla_sp.launch.errors import ConfigError  # noqa: E402
 from hla_sp.launch.eval import report as eval_report  # noqa: E402
 from hla_sp.launch.eval.command import Plan, build_parser, make_plan, prepare_output  # noqa: E402
 from hla_sp.launch.eval.tasks import bucket_of, buckets, passkey  # noqa: E402
+from hla_sp.launch.model.build import build_model, model_dtype  # noqa: E402
 from hla_sp.launch.model.loss import token_losses  # noqa: E402
 from hla_sp.launch.train import metrics  # noqa: E402
 from hla_sp.megatron_patch.compat import cp_split  # noqa: E402
@@ -129,9 +133,6 @@ def passkey_length(model: torch.nn.Module, plan: Plan, length: int, device: torc
 
 def load_model(plan: Plan, topo: Topology) -> torch.nn.Module:
     """The checkpoint's GPTModel at this CP size, weights read from its pieces, eval mode."""
-    from hla_sp.launch import checkpoint
-    from hla_sp.launch.data.datasets import BYTE_VOCAB
-    from hla_sp.launch.model.build import build_model, model_dtype
 
     cfg = plan.cfg
     torch.manual_seed(cfg.optimizer.seed)  # the weights are overwritten; this keeps the build quiet
@@ -208,8 +209,6 @@ def main(argv: list[str] | None = None) -> int:
         plan = make_plan(args)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world != plan.cp:
-            from hla_sp.launch.errors import ConfigError
-
             raise ConfigError(f"--nproc-per-node: expected the world size {world} (as "
                               f"torchrun started it), got {plan.cp}")
         prepare_output(args)

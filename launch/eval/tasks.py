@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from hla_sp.launch.data.indexed_dataset import BYTE_VOCAB
+from hla_sp.launch.data.datasets import ArrayTokens, builtin_text_tokens, parse_data_path
+from hla_sp.launch.data.indexed_dataset import BYTE_VOCAB, IndexedTokens
+from hla_sp.launch.data.tokenizer import TokenizerError, check_data_tokenizer, load_run_tokenizer
 from hla_sp.launch.errors import ConfigError, DatasetError
 
 if TYPE_CHECKING:
@@ -112,14 +114,9 @@ def text_windows(cfg: Any, data_path: list[str] | None, samples: int, longest: i
     the built-in text (the standard library's sources, one document each, joined with
     EOD) from the first file past the corpus a training run at the checkpoint's
     --seq-length reads, which no such run has seen."""
-    from hla_sp.launch.data.datasets import ArrayTokens, builtin_text_tokens
-
     need = samples * (longest + 1)
     vocab = cfg.model.vocab_size or BYTE_VOCAB
     if data_path:
-        from hla_sp.launch.data.datasets import parse_data_path
-        from hla_sp.launch.data.indexed_dataset import IndexedTokens
-        from hla_sp.launch.data.tokenizer import TokenizerError, check_data_tokenizer
 
         prefixes, weights = parse_data_path(data_path)
         if weights is not None:
@@ -156,8 +153,6 @@ def text_windows(cfg: Any, data_path: list[str] | None, samples: int, longest: i
 def run_tokenizer(cfg: Any) -> RunTokenizer:
     """The tokenizer of the run that wrote the checkpoint (its config's --tokenizer;
     bytes by default), which writes the passkey prompts."""
-    from hla_sp.launch.data.tokenizer import load_run_tokenizer
-
     return load_run_tokenizer(cfg)
 
 

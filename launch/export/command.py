@@ -36,6 +36,11 @@ import sys
 import warnings
 
 import torch
+from hla_sp.launch.config.flags import OneLineParser
+from hla_sp.launch.config.train_config import ConfigError
+from hla_sp.launch.data.tokenizer import load_run_tokenizer
+from hla_sp.launch.export.generate import GenerateError, load_model, max_positions
+from hla_sp.launch.export.hf_convert import ConvertError, hf_config_from_train, hf_state_dict
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # the probe of --verify: its length (at most the learned positions) and its seed
@@ -66,8 +71,6 @@ class ExportError(RuntimeError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hla_sp.launch.config.flags import OneLineParser  # a bad flag in one line, no usage
-
     p = OneLineParser(
         prog="hla-sp export", allow_abbrev=False,
         description="Write a checkpoint of hla-sp train as a Hugging Face model directory "
@@ -143,9 +146,6 @@ def write_export(args: argparse.Namespace, out: str) -> str:
     """Load the checkpoint, write the HF directory into ``out`` (a fresh directory) and,
     with ``args.verify``, check it; returns the summary line. Call inside
     :func:`hla_sp.launch.export.generate.single_process`."""
-    from hla_sp.launch.data.tokenizer import load_run_tokenizer
-    from hla_sp.launch.export.generate import load_model, max_positions
-    from hla_sp.launch.export.hf_convert import ConvertError, hf_config_from_train, hf_state_dict
 
     dtype = DTYPES[args.dtype]
     model, cfg = load_model(args.load, args.ckpt_step, decodable=False)
@@ -259,8 +259,6 @@ def _install(tmp: str, output: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """The ``hla-sp export`` command: one summary line on stdout."""
-    from hla_sp.launch.config.train_config import ConfigError
-    from hla_sp.launch.export.generate import GenerateError
 
     args = build_parser().parse_args(argv)
     output = args.output.rstrip(os.sep) or args.output

@@ -27,8 +27,13 @@ import warnings
 from collections.abc import Callable, Iterator
 
 import torch
-from hla_sp.launch.config.train_config import TrainConfig
+import torch.distributed as dist
+from hla_sp.launch import checkpoint
+from hla_sp.launch.checkpoint.run_config import saved_losses
+from hla_sp.launch.config.flags import OneLineParser
+from hla_sp.launch.config.train_config import ConfigError, TrainConfig
 from hla_sp.launch.data.tokenizer import RunTokenizer, load_run_tokenizer, load_tokenizer
+from hla_sp.launch.model.build import build_model, model_dtype, softmax_layers
 
 BYTE_VOCAB = 257  # ids 0..255 are bytes, EOD ends a document (hla_sp.launch.data.datasets)
 EOD = 256
@@ -44,8 +49,6 @@ class GenerateError(RuntimeError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hla_sp.launch.config.flags import OneLineParser  # a bad flag in one line, no usage
-
     p = OneLineParser(
         prog="hla-sp generate", allow_abbrev=False,
         description="Sample from a checkpoint of hla-sp train: prefill the prompt, then "
@@ -110,8 +113,6 @@ def load_config(load: str, step: int | None = None, decodable: bool = True
                 ) -> tuple[TrainConfig, int]:
     """The config of a checkpoint under ``load`` (its latest iteration, or ``step``), with
     ``decodable`` checked to be one generate decodes; (config, iteration)."""
-    from hla_sp.launch import checkpoint
-    from hla_sp.launch.config.train_config import ConfigError
 
     try:
         cfg, it = checkpoint.load_run_config(load, step)
@@ -124,8 +125,6 @@ def load_config(load: str, step: int | None = None, decodable: bool = True
 
 def check_decodable(cfg: TrainConfig) -> None:
     """Refuse, in one line, the models whose decode this command does not implement."""
-    from hla_sp.launch.model.build import softmax_layers
-
     softmax = softmax_layers(cfg)
     if softmax is not None:
         raise GenerateError(f"checkpoint: expected HLA attention in every layer (its state is "
@@ -153,7 +152,6 @@ def _quiet_megatron() -> None:
 def single_process() -> Iterator[None]:
     """A process group of one and Megatron's model-parallel groups (TP = CP = 1) for the
     model's construction; torn down after, when this call made them."""
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     made_group = not dist.is_initialized()
@@ -177,8 +175,6 @@ def load_model(load: str, step: int | None = None, device: str = "cpu",
     """The checkpoint's GPTModel in eval mode on ``device``, and its config (``decodable``:
     refuse what generate cannot decode; export reads every checkpoint). Call inside
     :func:`single_process`."""
-    from hla_sp.launch import checkpoint
-    from hla_sp.launch.model.build import build_model, model_dtype
 
     cfg, it = load_config(load, step, decodable)
     cfg = decode_config(cfg)
@@ -319,8 +315,6 @@ def generate(model: torch.nn.Module, prompt: list[int], max_new_tokens: int,
 
 def header(load: str, it: int) -> str:
     """The line before the text: the checkpoint, its iteration, the loss it recorded."""
-    from hla_sp.launch.checkpoint.run_config import saved_losses
-
     losses = saved_losses(load, it)
     said = next((f"{what} loss {losses[k]:.4g} nats per token" for k, what in
                  (("val_loss", "validation"), ("loss", "train")) if k in losses),
@@ -351,8 +345,6 @@ def _stream(args: argparse.Namespace) -> Generation:
 
 def main(argv: list[str] | None = None) -> int:
     """The ``hla-sp generate`` command; the text goes to stdout, a timing line to stderr."""
-    from hla_sp.launch.config.train_config import ConfigError
-
     args = build_parser().parse_args(argv)
     try:
         from hla_sp.launch.extras import require

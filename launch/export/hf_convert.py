@@ -18,6 +18,8 @@ import re
 
 import torch
 from hla_sp.launch.config.train_config import TrainConfig
+from hla_sp.launch.export.generate import decode_config
+from hla_sp.launch.model.build import model_dtype, softmax_layers, transformer_config
 
 from hla_sp.hf import HLASPConfig, HLASPForCausalLM
 
@@ -34,8 +36,6 @@ def hf_config_from_train(cfg: TrainConfig, vocab_size: int, eod: int) -> HLASPCo
         vocab_size: the tokenizer's vocabulary, unpadded.
         eod: the document-end token (bos, eos and pad of the HF model).
     """
-    from hla_sp.launch.export.generate import decode_config
-    from hla_sp.launch.model.build import model_dtype, softmax_layers, transformer_config
 
     softmax = softmax_layers(cfg)
     if softmax is not None:

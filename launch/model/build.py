@@ -12,13 +12,16 @@ Choices forced by CPU runs, harmless on GPU:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
 import torch
 from hla_sp.launch.config.train_config import TrainConfig
+from hla_sp.launch.model.compiling import compile_layers
 from hla_sp.launch.model.estimate import loss_chunk_tokens
 from hla_sp.launch.model.loss import install_loss
+from hla_sp.megatron_patch.hybrid import hybrid_block_spec, layer_pattern
 from torch.utils.checkpoint import checkpoint
 
 
@@ -40,7 +43,6 @@ def layer_spec(cfg: TrainConfig) -> Any:
     spec = get_hla_layer_local_spec(cfg.hla)  # the run's HLAConfig, whole
     if cfg.model.hla_layer_pattern is None:
         return spec
-    from hla_sp.megatron_patch.hybrid import hybrid_block_spec, layer_pattern
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     pattern = layer_pattern(cfg.model.hla_layer_pattern, cfg.model.num_layers)
@@ -140,8 +142,6 @@ def build_model(
 ) -> torch.nn.Module:
     """The GPTModel (pre/post process on: no pipeline parallelism), recompute applied;
     on a CUDA ``device`` every weight is created there, not on the host."""
-    import contextlib
-
     from megatron.core.models.gpt import GPTModel
 
     on_gpu = device is not None and device.type == "cuda"
@@ -156,7 +156,6 @@ def build_model(
         model = _gpt(GPTModel, cfg, vocab_size, device)
     install_loss(model, vocab_size, loss_chunk_tokens(cfg))
     if cfg.performance.compile:  # before recompute, which then wraps the compiled layers
-        from hla_sp.launch.model.compiling import compile_layers
 
         compile_layers(model)
     granularity = cfg.model.recompute_granularity or (

@@ -32,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from hla_sp.launch.errors import ConfigError
+
 if TYPE_CHECKING:
     from hla_sp.launch.config.train_config import TrainConfig
 
@@ -187,8 +189,6 @@ def planned_device_memory(gib: float | None) -> tuple[int, str]:
 
     if gib is not None:
         if not gib > 0:
-            from hla_sp.launch.errors import ConfigError
-
             raise ConfigError(f"--device-memory: expected GiB > 0, got {gib:g}")
         return int(gib * GIB), f"--device-memory {gib:g} GiB"
     if torch.cuda.is_available():

@@ -47,6 +47,7 @@ from typing import Any, TextIO
 
 from hla_sp.launch.checks import validate
 from hla_sp.launch.config.train_config import ConfigError, TrainConfig
+from hla_sp.launch.extras import require
 
 # Re-exported: the sweep's file checks are imported from here (tests, docs).
 from hla_sp.launch.sweep.sweep_config import (
@@ -55,6 +56,7 @@ from hla_sp.launch.sweep.sweep_config import (
     load_config,
     point_config,
 )
+from hla_sp.launch.train.main import run
 
 __all__ = ["flags_from_mapping", "load_config", "main", "memory_figure", "point_config",
            "summarize", "sweep", "throughput_figure", "write_outputs"]
@@ -81,7 +83,6 @@ def _train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     """Runs in each Ray worker: the trainer over Ray's process group, once per sequence
     length (the workers start once per P; each run resets the peak-memory mark)."""
     import ray.train
-    from hla_sp.launch.train.main import run
 
     summaries = {}
     for point in config["points"]:
@@ -345,7 +346,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("config", help="Sweep config (.json or .toml).")
     ap.add_argument("--output-dir", default=None, help="Overrides output_dir in the config.")
     a = ap.parse_args(argv)
-    from hla_sp.launch.extras import require
 
     try:
         require("ray", "hla-sp sweep")

@@ -12,7 +12,13 @@ import json
 import os
 from typing import Any
 
-from hla_sp.launch.config.train_config import ConfigError, TrainConfig, flag_names, parse_args
+from hla_sp.launch.config.train_config import (
+    ConfigError,
+    TrainConfig,
+    build_parser,
+    flag_names,
+    parse_args,
+)
 
 _KNOWN = {"world_sizes", "seq_lengths", "train_iters", "use_gpu", "output_dir", "ray", "trainer"}
 # ray.init arguments a sweep file may set (a typo would otherwise reach Ray as a TypeError)
@@ -124,8 +130,6 @@ _PARSER: list[argparse.ArgumentParser] = []
 
 
 def _parser() -> argparse.ArgumentParser:
-    from hla_sp.launch.config.train_config import build_parser
-
     if not _PARSER:
         _PARSER.append(build_parser())
     return _PARSER[0]

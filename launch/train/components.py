@@ -20,7 +20,10 @@ import torch.distributed as dist
 from hla_sp.launch import checkpoint
 from hla_sp.launch.config.train_config import TrainConfig
 from hla_sp.launch.data.datasets import config_samples, infer_vocab_size
+from hla_sp.launch.distributed.dist_optimizer import local, shard_model
 from hla_sp.launch.distributed.process_groups import Topology
+from hla_sp.launch.model.build import build_model, model_dtype
+from hla_sp.launch.model.estimate import model_flops_per_token
 from hla_sp.launch.train import metrics
 from hla_sp.launch.train.nonfinite import checkpoint_finite
 from hla_sp.launch.train.precision import LossScaler, MasterWeights
@@ -80,7 +83,6 @@ class ModelParts:
 
     @classmethod
     def build(cls, cfg: TrainConfig, vocab: int, topo: Topology) -> ModelParts:
-        from hla_sp.launch.model.build import build_model, model_dtype
         from megatron.core import parallel_state as ps
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -93,8 +95,6 @@ class ModelParts:
                                                         dtype=model_dtype(cfg))
         dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
         if opt.use_distributed_optimizer:
-            from hla_sp.launch.distributed.dist_optimizer import shard_model
-
             shard_model(model, dp_cp, model_dtype(cfg),
                         checkpoint.sharded.unsharded_layout(model))
         masters = MasterWeights(model)
@@ -139,7 +139,6 @@ class ModelParts:
         """Clip by the global L2 norm; TP-duplicated parameters are counted once. Return
         the norm and ``loss_sum``, read from the device together: the step's one host
         read serves the clip, the non-finite check and the record."""
-        from hla_sp.launch.distributed.dist_optimizer import local
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -226,8 +225,6 @@ class RunMetrics:
     TensorBoard / W&B scalars and the live plot (no-ops on the other ranks)."""
 
     def __init__(self, cfg: TrainConfig, topo: Topology, data: TrainData):
-        from hla_sp.launch.model.estimate import model_flops_per_token
-
         self.cfg, self.first = cfg, topo.is_first
         # model FLOPs of one step (recompute not counted): the TFLOP/s of the progress line
         self.flops_per_step = (model_flops_per_token(cfg, data.vocab) * data.global_batch

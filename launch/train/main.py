@@ -19,6 +19,7 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not
 warnings.filterwarnings("ignore", message=".*apex.*", category=UserWarning)
 warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
 
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from hla_sp.launch import checkpoint  # noqa: E402
 from hla_sp.launch.checkpoint.preflight_checks import nothing_to_do  # noqa: E402
@@ -30,6 +31,8 @@ from hla_sp.launch.distributed.process_groups import (  # noqa: E402
     init_distributed,
     shutdown,
 )
+from hla_sp.launch.extras import MissingExtra, require  # noqa: E402
+from hla_sp.launch.model.estimate import advice as memory_advice  # noqa: E402
 from hla_sp.launch.train import metrics  # noqa: E402
 from hla_sp.launch.train.trainer import NonFiniteError, Trainer  # noqa: E402
 
@@ -160,8 +163,6 @@ def run(
         oom = _is_oom(err)
         advice = None
         if oom:
-            from hla_sp.launch.model.estimate import advice as memory_advice
-
             advice = f"out of memory; {memory_advice(cfg, topo.world_size)}"
         # a stop from outside or an OOM needs no traceback
         faults.report_failure(topo.rank, topo.world_size, err, with_traceback=not oom
@@ -180,8 +181,6 @@ def run(
 
 def _is_oom(err: BaseException) -> bool:
     """CUDA's OutOfMemoryError, or the CPU allocator's "can't allocate memory"."""
-    import torch
-
     return isinstance(err, (torch.OutOfMemoryError, MemoryError)) or (
         isinstance(err, RuntimeError) and ("out of memory" in str(err)
                                            or "can't allocate memory" in str(err)))
@@ -224,8 +223,6 @@ def _stopped_line(cfg: TrainConfig, trainer: Trainer) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hla_sp.launch.extras import MissingExtra, require
-
     try:
         require("megatron", "hla_sp.launch.train")
     except MissingExtra as e:
