@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml requirements-cpu.txt
 setup: $(STAMP)
 
 # Python 3.12 with the CUDA build of torch (runs on CPU) and megatron-core 0.17-0.19, one
-# directory each, for the tests that run Megatron's own pretrain() (tests/test_megatron_pretrain.py).
+# directory each, for the tests that run Megatron's own pretrain() (tests/integration/test_megatron_pretrain.py).
 # Without a Python 3.12 those tests skip, except under CI=true, where they fail.
 VENV312        ?= .venv312
 MCORE_DIR      ?= .mcore

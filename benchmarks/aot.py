@@ -17,7 +17,7 @@ H100/H200 (sm_90a) and A100 (sm_80) without a GPU.
 
 ``UPCAST`` is forced to False: it is the interpreter's bf16 emulation, never set on a
 GPU. ``python benchmarks/aot.py`` (``make gpu-aot``) writes ``benchmarks/results/aot.json``
-and the table in ``docs/benchmarks.md``; ``tests/test_aot.py`` runs the same gate.
+and the table in ``docs/benchmarks.md``; ``tests/unit/test_aot.py`` runs the same gate.
 """
 
 from __future__ import annotations

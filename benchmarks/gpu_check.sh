@@ -26,8 +26,8 @@ start=$(date +%s)
 status=0
 # A test failure is reported, but the timings still run: both are worth having.
 timeout 120 "$PY" -m pytest -q -p no:cacheprovider \
-  tests/test_kernels.py tests/test_kernels_hla2.py tests/test_compile.py tests/test_launch_cuda.py \
-  tests/test_precision.py || status=1
+  tests/unit/test_kernels.py tests/unit/test_kernels_hla2.py tests/unit/test_compile.py tests/unit/test_launch_cuda.py \
+  tests/unit/test_precision.py || status=1
 timeout 300 "$PY" benchmarks/bench_gpu.py --out "$OUT" || status=1
 # The fixed cost per layer under context parallelism: one GPU per rank, NCCL, so only
 # where there are at least two GPUs (the one-GPU lease cannot run it).

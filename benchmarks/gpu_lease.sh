@@ -45,8 +45,8 @@ if [ "$QUALITY_S" != 0 ]; then
 fi
 # -v names each test as it starts, so a stage cut by its timeout still says where.
 timeout "${TESTS_S:-150}" python3 -m pytest -v -p no:cacheprovider --timeout 60 --durations 15 \
-    tests/test_kernels.py tests/test_kernels_hla2.py tests/test_compile.py \
-    tests/test_launch_cuda.py tests/test_precision.py >"$OUT/tests.log" 2>&1
+    tests/unit/test_kernels.py tests/unit/test_kernels_hla2.py tests/unit/test_compile.py \
+    tests/unit/test_launch_cuda.py tests/unit/test_precision.py >"$OUT/tests.log" 2>&1
 stamp "kernel tests: exit $?"
 if [ -n "$qpid" ]; then
     wait "$qpid"

@@ -41,7 +41,7 @@ from typing import Any
 PRETRAIN_ROUTES = ("legacy", "provider", "config")
 # The megatron-core releases the test suite runs hla-sp train and pretrain() on: 0.16.1 in
 # the Python 3.11 environment, the rest (which need Python >= 3.12) in .venv312 (the
-# Makefile's MCORE_VERSIONS, checked against this by tests/test_megatron_versions.py).
+# Makefile's MCORE_VERSIONS, checked against this by tests/integration/test_megatron_versions.py).
 # pyproject's ``megatron`` extra stops at the newest.
 TESTED_VERSIONS = ("0.16.1", "0.17.1", "0.18.0", "0.19.2")
 

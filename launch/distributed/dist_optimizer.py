@@ -77,7 +77,7 @@ def shard_model(model: torch.nn.Module, group: Any, compute_dtype: torch.dtype,
     # GPTModel returns its per-token loss as a view; FSDP warns (once a rank a run) that an
     # in-place op on that view would skip its gradient hook. The trainer reads the output
     # only out of place ((per_token.float() * mask).sum()), and the sharded run's losses
-    # and weights equal the unsharded run's (tests/test_dist_optimizer.py), so the
+    # and weights equal the unsharded run's (tests/integration/test_dist_optimizer.py), so the
     # warning would only be two lines of noise a rank on the user's console.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     # what the checkpoint writes as the model's weights (the masters rounded to it)

@@ -21,7 +21,7 @@ from hla_sp.launch.checks import validate
 from hla_sp.launch.config.train_config import FIELD_SECTION, ConfigError, flag_names, parse_args
 from hla_sp.launch.distributed.local import worker_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HLA_SP = os.path.join(os.path.dirname(sys.executable), "hla-sp")
 
 

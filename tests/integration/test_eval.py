@@ -30,7 +30,7 @@ pytest.importorskip("megatron.core")
 from hla_sp.launch.distributed.local import worker_env as _env
 from hla_sp.launch.eval import tasks
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HLA_SP = os.path.join(os.path.dirname(sys.executable), "hla-sp")
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "64", "--train-iters", "2", "--position-embedding-type", "none"]

@@ -26,7 +26,7 @@ pytest.importorskip("megatron.core")
 from hla_sp.launch.export import generate as gen
 from hla_sp.megatron_patch import get_hla_layer_local_spec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 64
 TOL = 1e-10  # fp64, relative to the largest logit
 

@@ -34,7 +34,7 @@ from hla_sp.launch.export import generate as gen
 
 from hla_sp.config import HLAConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HLA_SP = os.path.join(os.path.dirname(sys.executable), "hla-sp")
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "64", "--train-iters", "3", "--micro-batch-size", "2", "--lr", "3e-3",

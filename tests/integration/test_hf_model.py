@@ -6,7 +6,7 @@ through ``hf_state_dict``. Equalities are in fp32 to 1e-5 of the largest logit: 
 run the same operations on the same weights, only Megatron's [s, b] layout against the
 HF model's [b, s] may block the matrix products differently (measured: 0 difference).
 Decoding through the cache against one forward is checked in fp64 to 1e-10, as in
-tests/test_generate.py (the operator sums in chunks of 64 against one step per token).
+tests/integration/test_generate.py (the operator sums in chunks of 64 against one step per token).
 """
 
 from __future__ import annotations

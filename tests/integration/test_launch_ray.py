@@ -19,7 +19,7 @@ pytest.importorskip("ray.train")
 
 from hla_sp.launch.sweep import ray_sweep
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HLA_SP = os.path.join(os.path.dirname(sys.executable), "hla-sp")
 
 

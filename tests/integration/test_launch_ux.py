@@ -23,7 +23,7 @@ from hla_sp.launch.distributed.local import worker_env
 from hla_sp.launch.model import estimate
 from hla_sp.launch.train import metrics
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HLA_SP = os.path.join(os.path.dirname(sys.executable), "hla-sp")
 
 

@@ -28,7 +28,7 @@ pytest.importorskip("lm_eval")
 from hla_sp.launch.distributed.local import worker_env as _env
 from hla_sp.launch.export import command as export
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data" / "lm_eval"
 HLA_SP = os.path.join(os.path.dirname(sys.executable), "hla-sp")
 LM_EVAL = os.path.join(os.path.dirname(sys.executable), "lm_eval")

@@ -2,7 +2,7 @@
 
 Runs on megatron-core 0.16.1 (no megatron.training): everything checked here happens
 before Megatron's training loop starts. The loop itself, on 0.17-0.19, is
-tests/test_megatron_pretrain.py.
+tests/integration/test_megatron_pretrain.py.
 """
 
 from __future__ import annotations

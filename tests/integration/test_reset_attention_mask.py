@@ -4,7 +4,7 @@ megatron-core's GPTModel with the HLA spec, fed :class:`DocumentParams` built fr
 EOD tokens (what the entry point does under the flag): a document's logits are those
 of the document run alone, whatever precedes it, at CP = 1 and at CP = 2 (documents
 crossing the zigzag chunks). Megatron's own ``pretrain()`` with the flag is checked in
-tests/test_megatron_pretrain.py.
+tests/integration/test_megatron_pretrain.py.
 
 Tolerance (fp32): a document run alone and inside a pack runs the same recurrence with
 other chunk boundaries (it starts mid-chunk in the pack) and, under CP, other shard

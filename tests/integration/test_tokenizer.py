@@ -26,7 +26,7 @@ import pytest
 from hla_sp.launch.data import tokenizer as T
 from hla_sp.launch.distributed.local import worker_env as _env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HLA_SP = os.path.join(os.path.dirname(sys.executable), "hla-sp")
 CORPUS = ["the quick brown fox jumps over the lazy dog", "héllo wörld, the fox says hi",
           "déjà vu 😀 again and again", "a lazy dog sleeps; the brown fox runs away"]

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import aot
 import aot_sequential
 

@@ -8,7 +8,7 @@ lazily inside a function or under ``TYPE_CHECKING``. The sources are read with
 ``ast``, each folder named by its import name as ``[tool.setuptools.package-dir]``
 maps it (``kernels/`` is ``hla_sp.kernels``), so nothing is imported to check.
 
-Print the edges between packages: ``python tests/test_import_graph.py``.
+Print the edges between packages: ``python tests/unit/test_import_graph.py``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ if sys.version_info >= (3, 11):
 else:  # the dev extra brings tomli on 3.10
     import tomli as tomllib
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Lowest first; a module's layer is that of its longest matching prefix.
 LAYERS: dict[str, int] = {

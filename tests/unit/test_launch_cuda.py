@@ -1,7 +1,7 @@
 """The trainer's model on a CUDA device: every weight created there, not on the host.
 
 Skipped without a GPU (CPU runs build with ``use_cpu_initialization``, checked in
-tests/test_launch_ux.py); ``benchmarks/gpu_check.sh`` runs it on the GPU machine.
+tests/integration/test_launch_ux.py); ``benchmarks/gpu_check.sh`` runs it on the GPU machine.
 """
 
 from __future__ import annotations
