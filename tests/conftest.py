@@ -1,4 +1,6 @@
-"""Shared fixtures: a cache of gloo worlds, reused across the whole session."""
+"""Shared fixtures: a cache of gloo worlds, reused across the whole session; the
+thread counts of tolerance tests; a one-rank gloo group; an in-memory store for the
+failure handling; and the durations of every run, kept."""
 
 from __future__ import annotations
 
@@ -48,6 +50,37 @@ def group(tmp_path) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+class FakeStore:
+    """The few store calls hla_sp.launch.distributed.faults uses, in memory (the
+    rendezvous store's semantics)."""
+
+    def __init__(self) -> None:
+        self.d: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.d[key] = value.encode()
+
+    def get(self, key: str) -> bytes:
+        return self.d[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.d for k in keys)
+
+    def set_timeout(self, t: object) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_store(monkeypatch: pytest.MonkeyPatch) -> FakeStore:
+    """A :class:`FakeStore` in place of the job's store, for faults' heartbeats and
+    failure reports (the test sets faults.BEAT_S to the pace it needs)."""
+    from hla_sp.launch.distributed import faults
+
+    s = FakeStore()
+    monkeypatch.setattr(faults, "_store", lambda: s)
+    return s
 
 
 # --- test durations, kept -----------------------------------------------------------------

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import FakeStore
 from hla_sp.launch import checkpoint
 from hla_sp.launch.checks import validate
 from hla_sp.launch.cli.commands import main as cli_main
@@ -223,31 +224,10 @@ def test_full_disk_names_enospc_and_the_file(
 # --- failure messages -------------------------------------------------------------
 
 
-class FakeStore:
-    """The few store calls faults uses, in memory (the rendezvous store's semantics)."""
-
-    def __init__(self) -> None:
-        self.d: dict[str, bytes] = {}
-
-    def set(self, key: str, value: str) -> None:
-        self.d[key] = value.encode()
-
-    def get(self, key: str) -> bytes:
-        return self.d[key]
-
-    def check(self, keys: list[str]) -> bool:
-        return all(k in self.d for k in keys)
-
-    def set_timeout(self, t: object) -> None:
-        pass
-
-
 @pytest.fixture
-def store(monkeypatch: pytest.MonkeyPatch) -> FakeStore:
-    s = FakeStore()
-    monkeypatch.setattr(faults, "_store", lambda: s)
+def store(fake_store: FakeStore, monkeypatch: pytest.MonkeyPatch) -> FakeStore:
     monkeypatch.setattr(faults, "BEAT_S", 0.01)
-    return s
+    return fake_store
 
 
 def _beat(store: FakeStore, rank: int, beat: int, it: int = 2, coll: bool = True) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from conftest import FakeStore
 from hla_sp.launch import errors
 from hla_sp.launch.cli.commands import main as cli_main
 from hla_sp.launch.distributed import faults, torchrun
@@ -253,32 +254,12 @@ def test_a_worker_prints_a_known_error_once_from_rank_0(
     assert "Traceback" in capsys.readouterr().err
 
 
-class _Store:
-    """The few store calls faults uses, in memory."""
-
-    def __init__(self) -> None:
-        self.d: dict[str, bytes] = {}
-
-    def set(self, key: str, value: str) -> None:
-        self.d[key] = value.encode()
-
-    def get(self, key: str) -> bytes:
-        return self.d[key]
-
-    def check(self, keys: list[str]) -> bool:
-        return all(k in self.d for k in keys)
-
-    def set_timeout(self, t: object) -> None:
-        pass
-
-
 def test_a_peer_died_is_said_only_when_one_did(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, fake_store: FakeStore,
 ) -> None:
     """Both ranks fail in the same collective and stop beating: neither calls the other
     dead, since each says it failed before diagnosing."""
-    store = _Store()
-    monkeypatch.setattr(faults, "_store", lambda: store)
+    store = fake_store
     monkeypatch.setattr(faults, "BEAT_S", 0.2)  # the diagnosis reads 0.6 s apart
     for r in (0, 1):  # beats that no longer move
         store.set(f"hla_sp/heartbeat/{r}", json.dumps({"beat": 3, "it": 0, "at": "x",
