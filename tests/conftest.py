@@ -1,6 +1,7 @@
 """Shared fixtures: a cache of gloo worlds, reused across the whole session; the
-thread counts of tolerance tests; a one-rank gloo group; an in-memory store for the
-failure handling; and the durations of every run, kept."""
+thread counts of tolerance tests; a one-rank gloo group; the launch tests' tiny model
+(``tiny_flags``) and an in-memory store for the failure handling (``FakeStore``), which
+tests import from here; and the durations of every run, kept."""
 
 from __future__ import annotations
 
@@ -50,6 +51,13 @@ def group(tmp_path) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def tiny_flags(layers: int | str, seq: int | str, *more: str) -> list[str]:
+    """The launch tests' tiny model, as trainer flags: ``layers`` layers of hidden size 32
+    with 4 heads over ``seq`` tokens, then ``more`` (a test's own flags) as given."""
+    return ["--num-layers", str(layers), "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", str(seq), *more]
 
 
 class FakeStore:

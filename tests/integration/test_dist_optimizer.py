@@ -9,13 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_flags
 from hla_sp.launch.distributed.local import LocalRun, run_local
 
-TINY = [
-    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--seq-length", "64", "--train-iters", "4", "--lr", "3e-3", "--seed", "7",
-    "--micro-batch-size", "2", "--global-batch-size", "8", "--bf16",
-]  # fmt: skip
+TINY = tiny_flags(2, 64, "--train-iters", "4", "--lr", "3e-3", "--seed", "7",
+    "--micro-batch-size", "2", "--global-batch-size", "8", "--bf16")
 FLAG = "--use-distributed-optimizer"
 
 

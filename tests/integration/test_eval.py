@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import tiny_flags
 
 pytest.importorskip("megatron.core")
 
@@ -32,8 +33,7 @@ from hla_sp.launch.eval import tasks
 
 ROOT = Path(__file__).resolve().parents[2]
 HLA_SP = os.path.join(os.path.dirname(sys.executable), "hla-sp")
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "64", "--train-iters", "2", "--position-embedding-type", "none"]
+TINY = tiny_flags(2, 64, "--train-iters", "2", "--position-embedding-type", "none")
 # what the documented commands get in place of their million-token lengths
 SMALL = {"--lengths": "256,512", "--samples": "2"}
 # Tolerance: the per-token losses of CP=2 and CP=1 differ only by the rounding of the

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_flags
 
 pytest.importorskip("megatron.core")
 
@@ -36,9 +37,8 @@ from hla_sp.config import HLAConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 HLA_SP = os.path.join(os.path.dirname(sys.executable), "hla-sp")
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "64", "--train-iters", "3", "--micro-batch-size", "2", "--lr", "3e-3",
-        "--seed", "7"]  # fmt: skip
+TINY = tiny_flags(2, 64, "--train-iters", "3", "--micro-batch-size", "2", "--lr", "3e-3",
+    "--seed", "7")
 RUNS = {  # the layouts that save: each a different sharding of the same whole tensors
     "cp2": ["--context-parallel-size", "2", "--position-embedding-type", "none"],
     "tp2": ["--tensor-model-parallel-size", "2", "--num-query-groups", "2"],

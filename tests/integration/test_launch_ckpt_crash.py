@@ -15,16 +15,14 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import tiny_flags
 from hla_sp.launch import checkpoint
 from hla_sp.launch.checks import validate
 from hla_sp.launch.config.train_config import ConfigError, parse_args
 from hla_sp.launch.distributed import faults
 from hla_sp.launch.distributed.local import run_local
 
-TINY = [
-    "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--seq-length", "32", "--lr", "3e-3", "--seed", "7",
-]  # fmt: skip
+TINY = tiny_flags(1, 32, "--lr", "3e-3", "--seed", "7")
 
 
 

@@ -13,16 +13,14 @@ from pathlib import Path
 
 import pytest
 from ci_env import skip_or_fail
+from conftest import tiny_flags
 from hla_sp.launch.checks import validate
 from hla_sp.launch.config.train_config import ConfigError, parse_args
 from hla_sp.launch.distributed.local import LocalRun, run_local
 from hla_sp.launch.model.compiling import BACKEND_ENV
 
-TINY = [
-    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--seq-length", "64", "--train-iters", "3", "--lr", "3e-3", "--seed", "7",
-    "--micro-batch-size", "2",
-]  # fmt: skip
+TINY = tiny_flags(2, 64, "--train-iters", "3", "--lr", "3e-3", "--seed", "7",
+    "--micro-batch-size", "2")
 
 
 @pytest.mark.parametrize(

@@ -8,13 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from conftest import tiny_flags
 from hla_sp.launch.distributed import faults
 from hla_sp.launch.distributed.local import run_local
 
-TINY = [
-    "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--seq-length", "64", "--train-iters", "50", "--context-parallel-size", "2",
-]  # fmt: skip
+TINY = tiny_flags(1, 64, "--train-iters", "50", "--context-parallel-size", "2")
 
 
 def test_killed_rank_ends_the_others_with_its_name(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ import time
 import uuid
 from pathlib import Path
 
+from conftest import tiny_flags
 from hla_sp.launch.distributed.local import (
     LocalRun,
     read_jsonl,
@@ -17,10 +18,7 @@ from hla_sp.launch.distributed.local import (
 )
 from hla_sp.launch.distributed.process_groups import free_port
 
-TINY = [
-    "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--seq-length", "64", "--train-iters", "3", "--context-parallel-size", "4", "--seed", "11",
-]  # fmt: skip
+TINY = tiny_flags(1, 64, "--train-iters", "3", "--context-parallel-size", "4", "--seed", "11")
 
 
 def run_nodes(

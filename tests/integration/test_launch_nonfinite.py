@@ -11,16 +11,14 @@ import math
 from pathlib import Path
 
 import pytest
+from conftest import tiny_flags
 from hla_sp.launch import checkpoint
 from hla_sp.launch.checkpoint import manifest
 from hla_sp.launch.config.train_config import parse_args
 from hla_sp.launch.distributed.local import run_local
 from hla_sp.launch.train.main import run
 
-TINY = [
-    "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--seq-length", "32", "--lr", "3e-3", "--seed", "7", "--micro-batch-size", "2",
-]  # fmt: skip
+TINY = tiny_flags(1, 32, "--lr", "3e-3", "--seed", "7", "--micro-batch-size", "2")
 # the reproduction: an absurd constant rate makes the weights blow up
 BLOW_UP = ["--override-opt_param-scheduler", "--lr", "1e25", "--min-lr", "1e25",
            "--lr-decay-style", "constant", "--keep-last", "1", "--save-interval", "1"]

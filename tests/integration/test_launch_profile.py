@@ -8,15 +8,13 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import tiny_flags
 from hla_sp.launch.checks import validate
 from hla_sp.launch.config.train_config import ConfigError, parse_args
 from hla_sp.launch.distributed.local import run_local
 
-TINY = [
-    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--seq-length", "64", "--train-iters", "4", "--lr", "3e-3", "--seed", "7",
-    "--micro-batch-size", "2",
-]  # fmt: skip
+TINY = tiny_flags(2, 64, "--train-iters", "4", "--lr", "3e-3", "--seed", "7",
+    "--micro-batch-size", "2")
 
 
 @pytest.mark.parametrize(

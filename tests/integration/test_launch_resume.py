@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import tiny_flags
 from hla_sp.launch import checkpoint
 from hla_sp.launch.checks import validate
 from hla_sp.launch.config.train_config import ConfigError, parse_args
@@ -17,10 +18,7 @@ from hla_sp.launch.distributed.local import read_jsonl, torchrun_argv, worker_en
 from hla_sp.launch.train.main import run
 from hla_sp.launch.train.precision import LossScaler
 
-TINY = [
-    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--seq-length", "64", "--lr", "3e-3", "--seed", "7", "--micro-batch-size", "2",
-]  # fmt: skip
+TINY = tiny_flags(2, 64, "--lr", "3e-3", "--seed", "7", "--micro-batch-size", "2")
 
 
 def _launch(flags: list[str], nproc: int = 2) -> subprocess.CompletedProcess:

@@ -24,14 +24,14 @@ from pathlib import Path
 
 import pytest
 from ci_env import MCORE_DIR, PY312, ROOT, require_megatron
+from conftest import tiny_flags
 from hla_sp.launch.errors import ConfigError
 from hla_sp.launch.extras import require
 from hla_sp.megatron_patch import compat
 
 PY312_VERSIONS = compat.TESTED_VERSIONS[1:]  # 0.16.1 is the Python 3.11 environment's
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4",
-        "--train-iters", "4", "--lr", "3e-3", "--lr-warmup-iters", "1", "--seed", "5"]
+TINY = tiny_flags(2, 64, "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters",
+    "4", "--lr", "3e-3", "--lr-warmup-iters", "1", "--seed", "5")
 
 
 def _hla_sp(version: str, cwd: Path, *argv: str) -> subprocess.CompletedProcess[str]:

@@ -15,15 +15,13 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import tiny_flags
 from hla_sp.launch import checkpoint
 from hla_sp.launch.checkpoint import lock
 from hla_sp.launch.config.train_config import ConfigError, parse_args
 from hla_sp.launch.distributed.local import torchrun_argv, worker_env
 
-TINY = [
-    "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--seq-length", "32", "--lr", "3e-3", "--seed", "7", "--micro-batch-size", "2",
-]  # fmt: skip
+TINY = tiny_flags(1, 32, "--lr", "3e-3", "--seed", "7", "--micro-batch-size", "2")
 
 
 def _dead_pid() -> int:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import tiny_flags
 from hla_sp.launch.data import tokenizer as T
 from hla_sp.launch.distributed.local import worker_env as _env
 
@@ -34,8 +35,7 @@ CORPUS = ["the quick brown fox jumps over the lazy dog", "héllo wörld, the fox
 # stream decoder must hold the first two back
 UNSEEN = "漢"
 TEXT = "the fox: déjà 😀 héllo\nnew " + UNSEEN
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "32", "--micro-batch-size", "2", "--lr", "3e-3", "--seed", "7"]
+TINY = tiny_flags(2, 32, "--micro-batch-size", "2", "--lr", "3e-3", "--seed", "7")
 
 
 def _run(*argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess:

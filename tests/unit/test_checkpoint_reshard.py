@@ -16,17 +16,17 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import tiny_flags
 from hla_sp.launch import checkpoint
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-TINY = [
-    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--seq-length", "32", "--lr", "3e-3", "--seed", "7", "--micro-batch-size", "2",
+TINY = tiny_flags(
+    2, 32, "--lr", "3e-3", "--seed", "7", "--micro-batch-size", "2",
     "--global-batch-size", "4", "--train-iters", "4",
     # 512 is a multiple of 128 x TP at TP 1 and 2: the same padded vocabulary, so the
     # runs at both sizes are the same model (see test_checkpoint_format for the other case)
     "--vocab-size", "512",
-]  # fmt: skip
+)
 
 
 def _train(rank: int, world_size: int, flags: list[str], tp: int, save_first: bool) -> Any:
