@@ -39,8 +39,9 @@ LAYERS: dict[str, int] = {
     # sections' base and TrainConfig, which holds one section from each owner below (each
     # owner's section module sits on this floor, so the owners can read TrainConfig); the
     # process groups and the job's failures; the data; the model; the checkpoints; the
-    # checks across sections; the trainer; the commands over a checkpoint; the sweep; the
-    # console script and the documented `python -m` modules.
+    # checks across sections; a checkpoint out of the trainer (export, generate), which the
+    # trainer's closing lines may name; the trainer; eval; the sweep; the console script
+    # and the documented `python -m` modules.
     "hla_sp.launch": 6,
     "hla_sp.launch.config": 7,
     "hla_sp.launch.model.config": 7,
@@ -53,15 +54,15 @@ LAYERS: dict[str, int] = {
     "hla_sp.launch.model": 10,
     "hla_sp.launch.checkpoint": 11,
     "hla_sp.launch.checks": 12,
-    "hla_sp.launch.train": 13,
-    "hla_sp.launch.eval": 14,
-    "hla_sp.launch.export": 14,
-    "hla_sp.launch.sweep": 15,
-    "hla_sp.launch.cli": 16,
-    "hla_sp.launch.torchrun": 16,
-    "hla_sp.launch.make_dataset": 16,
-    "hla_sp.launch.ray_sweep": 16,
-    "hla_sp": 17,  # the package facade (hla_sp/__init__.py) re-exports from below
+    "hla_sp.launch.export": 13,
+    "hla_sp.launch.train": 14,
+    "hla_sp.launch.eval": 15,
+    "hla_sp.launch.sweep": 16,
+    "hla_sp.launch.cli": 17,
+    "hla_sp.launch.torchrun": 17,
+    "hla_sp.launch.make_dataset": 17,
+    "hla_sp.launch.ray_sweep": 17,
+    "hla_sp": 18,  # the package facade (hla_sp/__init__.py) re-exports from below
 }
 
 
