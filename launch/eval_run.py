@@ -153,7 +153,8 @@ def evaluate(plan: Plan, topo: Topology) -> dict[str, Any]:
     record["timing"]["load_s"] = time.perf_counter() - t0
     run = ppl_length if plan.args.task == "ppl-by-position" else passkey_length
     _warm_up(model, plan, topo.device)
-    for length in plan.lengths:
+    for i, length in enumerate(plan.lengths):
+        faults.maybe_inject(topo.rank, i + 1)  # HLA_SP_FAULT drills: ITER is the i-th length
         metrics.reset_peak_memory()
         dist.barrier()
         start = time.perf_counter()
@@ -210,12 +211,14 @@ def main(argv: list[str] | None = None) -> int:
         evaluate(plan, topo)
     except Exception as err:
         known = faults.known_error(err)
-        if known is None:
-            raise
-        faults.report_known(known, PROG)  # once for the run, by the launcher
+        if known is not None:
+            faults.report_known(known, PROG)  # once for the run, by the launcher
+        else:  # the launcher prints the first failing rank's traceback once
+            faults.report_failure(faults.global_rank(), int(os.environ.get("WORLD_SIZE", "1")),
+                                  err, with_traceback=True, doing="evaluation")
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(2)  # a broken group can hang in its teardown
+        os._exit(2 if known is not None else 1)  # a broken group can hang in its teardown
     shutdown(topo)
     return 0
 

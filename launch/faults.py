@@ -320,10 +320,11 @@ def report_known(err: BaseException, prefix: str = "hla-sp train") -> None:
 
 def report_failure(
     rank: int, world_size: int, err: BaseException, with_traceback: bool = False,
-    advice: str | None = None,
+    advice: str | None = None, doing: str = "training",
 ) -> str:
     """Say why this rank stopped (``err``'s traceback first if ``with_traceback``), the
-    root cause first, then ``advice`` if given; return the last line.
+    root cause first, then ``advice`` if given; return the last line. ``doing`` names the
+    work ("training"; "evaluation" has no iterations to place the failure in).
 
     Only an error that came out of a collective can be a peer's fault: then the
     heartbeats say which peer died, failed or hangs (the "diagnosis" line). An error of
@@ -351,9 +352,11 @@ def report_failure(
     saving = next((e.hla_sp_saving for e in chain if hasattr(e, "hla_sp_saving")), _saving)
     if saving is not None:  # the step is done; the failure came in the checkpoint's write
         where = f"while saving iteration {saving}"
-    else:
+    elif doing == "training":
         where = f"{elapsed:.1f} s into iteration {it + 1}"
-    lines = [f"[hla-sp] rank {rank}/{world_size}: training stopped by {_describe(root)} "
+    else:
+        where = f"during {doing}"
+    lines = [f"[hla-sp] rank {rank}/{world_size}: {doing} stopped by {_describe(root)} "
              f"({where})"]
     if root is not err:
         lines.append(f"[hla-sp] rank {rank}: raised as {_describe(err)}")
