@@ -51,11 +51,13 @@ GPU_SHAPES = (Shape(1, 8192, 16, 128), Shape(1, 32768, 16, 128), Shape(1, 8192, 
 DRY_SHAPES = (Shape(1, 32, 1, 16),)
 
 
-def setup(dry_run: bool) -> tuple[str, torch.dtype]:
-    """(device, dtype) of the run: CUDA and bf16, or the CPU interpreter in fp32.
+def setup(dry_run: bool, dry_backend: str = "triton") -> tuple[str, torch.dtype]:
+    """(device, dtype) of the run: CUDA and bf16, or the CPU in fp32 on ``dry_backend``
+    (the interpreter, or the kernel-free torch path where the kernels are not the point).
     Exits with one line when a GPU run finds no GPU."""
     os.environ["HLA_SP_BACKEND"] = "triton"
     if dry_run:
+        os.environ["HLA_SP_BACKEND"] = dry_backend
         return "cpu", torch.float32
     if not torch.cuda.is_available():
         sys.exit("no CUDA device: run on the GPU machine, or pass --dry-run")
