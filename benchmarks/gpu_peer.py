@@ -137,7 +137,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=Path("runs/gpu_lease/peer.json"))
     p.add_argument("--methods", default="", help="comma-separated subset (default: all)")
     a = p.parse_args()
-    device, dtype = gc.setup(a.dry_run)
+    device, dtype = gc.setup(a.dry_run, dry_backend="torch")  # kernels_g: the interpreter
     result: dict[str, Any] = gc.header(device, a.dry_run) | dict(timings=[], agreement={})
     bench = gc.timer(device)
     only = set(a.methods.split(",")) if a.methods else None
