@@ -123,16 +123,18 @@ def sync_check(fn: gc.Step, device: str) -> dict[str, Any]:
 
 
 def table(result: dict[str, Any], shape: str) -> list[dict[str, Any]]:
-    """Rows of role: ours (la_g) against fla (fla_g), same per-token decay."""
+    """Rows of role: ours against fla (fla_g), the same per-token decay; ours is la_g,
+    or the kernels alone where la_g has no profile."""
     prof = result["profiles"].get(shape, {})
-    ours = prof.get("la_g", {}).get("roles", {})
+    mine = next((m for m in ("la_g", "kernels_g") if "roles" in prof.get(m, {})), None)
+    ours = prof[mine]["roles"] if mine else {}
     peer = prof.get("fla_g", {}).get("roles", {})
     rows = []
     for r in [x for x, _ in ROLES] + ["other"]:
         a, b = ours.get(r), peer.get(r)
         if a is None and b is None:
             continue
-        rows.append(dict(role=r, ours_ms=a and a["ms"], ours_calls=a and a["calls"],
+        rows.append(dict(role=r, ours=mine, ours_ms=a and a["ms"], ours_calls=a and a["calls"],
                          ours_names=a and a["names"], fla_ms=b and b["ms"],
                          fla_calls=b and b["calls"], fla_names=b and b["names"],
                          ratio=(a["ms"] / b["ms"]) if a and b and a["ms"] and b["ms"]
