@@ -15,6 +15,7 @@
 #                  bf16): step time and peak memory
 #   layer          gpu_layer.py: one HLAttention layer against softmax
 #   megatron_*_8k  the Megatron pair at 8k
+#   quality        only with QUALITY_S=seconds: the capacity study (gpu_quality.py)
 #   tests          the kernel tests on CUDA, with what time is left
 #   summary        gpu_summary.py: summary.json and summary.md (also printed)
 #
@@ -122,6 +123,13 @@ fi
 stage layer 45 "$PY" benchmarks/gpu_layer.py $DRYF --out "$OUT/layer.json"
 megatron megatron_hla2_8k hla2 8192 4 60
 megatron megatron_softmax_8k softmax 8192 4 50
+
+# The capacity study (docs/quality.md) needs minutes of its own: only when asked for
+# (QUALITY_S=seconds), with whatever budget is left.
+if [ "${QUALITY_S:-0}" != 0 ] && [ "$DRY" = 0 ]; then
+    stage quality "$QUALITY_S" "$PY" benchmarks/gpu_quality.py --budget-s "$QUALITY_S" \
+        --out "$OUT/quality"
+fi
 
 if [ "$DRY" = 1 ]; then
     skip tests "dry run: the kernel tests run in the normal suite"
