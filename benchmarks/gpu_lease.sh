@@ -88,7 +88,7 @@ import fla, megatron.core; print(\"fla\", fla.__version__, \"megatron-core\", me
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
-stage peer 200 "$PY" benchmarks/gpu_peer.py $DRYF --out "$OUT/peer.json"
+stage peer 230 "$PY" benchmarks/gpu_peer.py $DRYF --out "$OUT/peer.json"
 stage kernels 60 "$PY" benchmarks/gpu_kernels.py $DRYF --out "$OUT/kernels.json"
 
 # The Megatron model: 8 layers, width 1024, 8 heads over 4 kv groups, bf16, mock data;

@@ -105,7 +105,7 @@ awk -v seq="$SEQ" -v gbs="$GBS" '
         if (n == 0) { print "no iteration lines in the log"; exit 1 }
         printf "iterations: %d, lm loss first %s last %s\n", n, first, loss
         if (k > 0) printf "mean time/iter (after 2 warm-up): %.1f ms, %.0f tokens/s\n", t / k, gbs * seq / (t / k / 1000)
-    }' "$LOG"
+    }' "$LOG" || { [ "$rc" = 0 ] && rc=1; }
 if [ -n "$JSON" ]; then
     python3 benchmarks/megatron_log.py --log "$LOG" --out "$JSON" --attention "$ATTENTION" \
         --seq "$SEQ" --gbs "$GBS" --layers "$LAYERS" --hidden "$HIDDEN" --heads "$HEADS" \
