@@ -105,10 +105,10 @@ awk -v seq="$SEQ" -v gbs="$GBS" '
         if (n == 0) { print "no iteration lines in the log"; exit 1 }
         printf "iterations: %d, lm loss first %s last %s\n", n, first, loss
         if (k > 0) printf "mean time/iter (after 2 warm-up): %.1f ms, %.0f tokens/s\n", t / k, gbs * seq / (t / k / 1000)
-    }' "$LOG" || { [ "$rc" = 0 ] && rc=1; }
+    }' "$LOG" || { if [ "$rc" = 0 ]; then rc=1; fi; }
 if [ -n "$JSON" ]; then
     python3 benchmarks/megatron_log.py --log "$LOG" --out "$JSON" --attention "$ATTENTION" \
         --seq "$SEQ" --gbs "$GBS" --layers "$LAYERS" --hidden "$HIDDEN" --heads "$HEADS" \
-        --kv-groups "$KV_GROUPS" --vocab "$VOCAB" || { [ "$rc" = 0 ] && rc=1; }
+        --kv-groups "$KV_GROUPS" --vocab "$VOCAB" || { if [ "$rc" = 0 ]; then rc=1; fi; }
 fi
 exit "$rc"
