@@ -98,6 +98,26 @@ def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def estimates_us(shape: str) -> dict[str, float]:
+    """The roofline model's microseconds per role (benchmarks/roofline.py, H200) at a
+    shape label "B1 T32768 H16 K128"; fwd_h sums the forward and the recompute, as the
+    profile does. Empty when the label does not parse (the dry run's tiny shapes too)."""
+    import roofline
+
+    m = re.fullmatch(r"B(\d+) T(\d+) H(\d+) K(\d+)", shape or "")
+    if not m:
+        return {}
+    B, T, H, K = (int(x) for x in m.groups())
+    if T % roofline.BT or K % 64:
+        return {}
+    out: dict[str, float] = {}
+    for bwd in (False, True):
+        for k in roofline.primitive(B, T, H, K, K, "H200", bwd):
+            r = k.name.split(" ")[0]
+            out[r] = out.get(r, 0.0) + k.seconds(*roofline.GPUS["H200"])[1] * 1e6
+    return out
+
+
 def fmt(x: Any, nd: int = 3) -> str:
     if x is None:
         return "n/a"
@@ -136,14 +156,16 @@ def markdown(s: dict[str, Any]) -> str:
                            for k, v in agree.items())]
     table = (s.get("kernels") or {}).get("table") or []
     if table:
+        est = estimates_us(s["kernels"].get("shape"))
         md += ["", f"Per kernel, one fwd+bwd with per-token decay ({s['kernels'].get('shape')}):",
-               "", "| role | ours ms (launches) | fla ms (launches) | ours / fla | kernels |",
-               "|---|---|---|---|---|"]
+               "", "| role | ours ms (launches) | fla ms (launches) | ours / fla | "
+               "estimate ms (roofline model) | kernels |", "|---|---|---|---|---|---|"]
         for r in table:
             names = ", ".join(sorted(set((r["ours_names"] or []) + (r["fla_names"] or []))))
+            e = est.get(r["role"])
             md.append(f"| {r['role']} | {fmt(r['ours_ms'])} ({fmt(r['ours_calls'])}) | "
                       f"{fmt(r['fla_ms'])} ({fmt(r['fla_calls'])}) | {fmt(r['ratio'], 2)} | "
-                      f"{names[:160]} |")
+                      f"{fmt(e / 1e3 if e else None)} | {names[:160]} |")
     mg = (s.get("megatron") or {}).get("runs") or {}
     if mg:
         md += ["", "Megatron-LM loop (8 layers, width 1024, 8 heads over 4 kv groups, bf16):",

@@ -98,3 +98,17 @@ def test_summary_verdicts_from_the_stage_files(tmp_path: Path) -> None:
     mg("hla2", 32, 12_000.0)
     (t,) = [t for t in summarize(tmp_path)["targets"] if t["target"].startswith("Megatron")]
     assert t["ok"] is False
+
+
+def test_summary_puts_the_roofline_estimate_beside_each_role() -> None:
+    from gpu_summary import estimates_us
+
+    est = estimates_us("B1 T32768 H16 K128")
+    assert set(est) == {"fwd_h", "fwd_o", "bwd_dh", "bwd_dv", "bwd_dqk"}
+    import roofline
+
+    fwd = {k.name: k.seconds(*roofline.GPUS["H200"])[1] * 1e6
+           for k in roofline.primitive(1, 32768, 16, 128, 128, "H200", False)}
+    assert est["fwd_o"] == pytest.approx(fwd["fwd_o"])
+    assert est["fwd_h"] > fwd["fwd_h"]  # the backward's recompute is a fwd_h too
+    assert estimates_us("B1 T32 H1 K16") == {}  # the dry run's shape: no estimate
