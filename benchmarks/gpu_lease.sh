@@ -4,8 +4,8 @@
 # its own limit and what is left, and one that fails or runs out costs only its own
 # figures. Stages, most valuable first:
 #
-#   env            the wheels of .whl/ (make gpu-wheels: fla-core, einops, packaging,
-#                  megatron-core) and hla_sp into /tmp/site, offline
+#   env            gpu_env.sh: the wheels of .whl/ (make gpu-wheels: fla-core, einops,
+#                  packaging, megatron-core) into /tmp/site and hla_sp editable, offline
 #   peer           gpu_peer.py: fwd+bwd of linear_attention, our kernels alone, fla's
 #                  chunk_simple_gla (g_gamma, g), hla2, SDPA flash; ratios and targets
 #   kernels        gpu_kernels.py: per-kernel table against fla, launches, sync check
@@ -69,22 +69,7 @@ if [ "$DRY" = 1 ]; then
     DRYF=--dry-run
 else
     DRYF=
-    # shellcheck disable=SC2016
-    stage env 60 bash -c '
-        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-        rm -rf '"$site"' && mkdir -p '"$site"'
-        if compgen -G ".whl/*.whl" >/dev/null; then
-            ls -l .whl
-            '"$PY"' -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-                --target '"$site"' .whl/*.whl || exit 1
-        else
-            echo "no .whl/: run make gpu-wheels and carry .whl (fla and Megatron stages fail)"
-        fi
-        '"$PY"' -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir \
-            --target '"$site"' . || exit 1
-        PYTHONPATH='"$site"' '"$PY"' -c "import sys, torch, triton, hla_sp
-print(sys.version.split()[0], \"torch\", torch.__version__, \"triton\", triton.__version__)
-import fla, megatron.core; print(\"fla\", fla.__version__, \"megatron-core\", megatron.core.__version__)"'
+    stage env 60 bash benchmarks/gpu_env.sh "$site" "$PY"
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
