@@ -15,6 +15,7 @@
 #                  bf16): step time and peak memory
 #   layer          gpu_layer.py: one HLAttention layer against softmax
 #   megatron_*_8k  the Megatron pair at 8k
+#   check          bench_gpu.py --skip-timings: the kernels against the fp64 torch path
 #   quality        only with QUALITY_S=seconds: the capacity study (gpu_quality.py)
 #   tests          the kernel tests on CUDA, with what time is left
 #   summary        gpu_summary.py: summary.json and summary.md (also printed)
@@ -108,6 +109,12 @@ fi
 stage layer 45 "$PY" benchmarks/gpu_layer.py $DRYF --out "$OUT/layer.json"
 megatron megatron_hla2_8k hla2 8192 4 60
 megatron megatron_softmax_8k softmax 8192 4 50
+
+# Correctness on the GPU: fp32 and bf16 against the fp64 torch path (every gradient,
+# documents, initial states), and 1M tokens with B*T*H*K past 2^31 (int64 offsets).
+if [ "$DRY" = 0 ]; then
+    stage check 60 "$PY" benchmarks/bench_gpu.py --skip-timings --out "$OUT/check.json"
+fi
 
 # The capacity study (docs/quality.md) needs minutes of its own: only when asked for
 # (QUALITY_S=seconds), with whatever budget is left.

@@ -2,9 +2,10 @@
 
 Reads what the stages left in ``--dir`` (each file optional: a failed stage shows as
 missing figures, never as an error here): ``stages.tsv``, ``peer.json``,
-``kernels.json``, ``layer.json``, ``megatron_<attention>_<T>.json`` and
-``train_1m.jsonl``; writes ``summary.json`` (every figure and every target with its
-verdict) and ``summary.md`` (tables to paste into docs/benchmarks.md).
+``kernels.json``, ``layer.json``, ``check.json`` (bench_gpu.py),
+``megatron_<attention>_<T>.json`` and ``train_1m.jsonl``; writes ``summary.json``
+(every figure and every target with its verdict) and ``summary.md`` (tables to paste
+into docs/benchmarks.md).
 
     python benchmarks/gpu_summary.py --dir runs/gpu_lease
 """
@@ -90,6 +91,13 @@ def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(dict(target=f"no host sync in {name} (sync debug mode 'error')", where="",
                         value=s.get("error", "none" if s.get("ok") else None), bound="none",
                         ok=s.get("ok")))
+    checks = [c for c in (summary.get("check") or {}).get("check", []) if c.get("ok") is not None]
+    if checks:
+        bad = [f"{c['op']} {c.get('dtype', '')}".strip() for c in checks if not c["ok"]]
+        out.append(dict(target="kernels against the fp64 torch path (bench_gpu.py)", where="",
+                        value=f"{len(checks) - len(bad)} of {len(checks)} within bounds"
+                        + (f"; failed: {', '.join(bad)}" if bad else ""), bound="all",
+                        ok=not bad))
     for r in (summary.get("megatron") or {}).get("hla2_over_softmax", []):
         if r["bound"] is not None:
             out.append(dict(target="Megatron loop: hla2 tokens/s over softmax (flash)",
@@ -189,7 +197,8 @@ def markdown(s: dict[str, Any]) -> str:
 
 
 def summarize(d: Path, budget_s: int | None = None) -> dict[str, Any]:
-    peer, kernels, layer = (load(d / f"{n}.json") for n in ("peer", "kernels", "layer"))
+    peer, kernels, layer, check = (load(d / f"{n}.json")
+                                   for n in ("peer", "kernels", "layer", "check"))
     if kernels and kernels.get("profiles"):
         kernels["shape"] = next(iter(kernels["profiles"]))
         kernels.pop("profiles")  # the raw profiles stay in kernels.json
@@ -198,6 +207,7 @@ def summarize(d: Path, budget_s: int | None = None) -> dict[str, Any]:
                              triton=head.get("triton"), fla=head.get("fla"),
                              dry_run=head.get("dry_run"), budget_s=budget_s,
                              stages=stages(d), peer=peer, kernels=kernels, layer=layer,
+                             check=check,
                              megatron=megatron(d), train_1m=train_1m(d))
     s["targets"] = targets(s)
     if s["dry_run"]:  # the plumbing ran; nothing was measured, so nothing is met or missed
