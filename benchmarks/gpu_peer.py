@@ -9,6 +9,9 @@ H 96), on the same inputs (``gpu_common.methods``), ``do_bench`` medians:
 - ``fla_gamma`` / ``fla_g``: fla's chunk_simple_gla with ``g_gamma`` / with ``g``;
 - ``hla2``: hla_sp.hla2 (per-head decay); ``sdpa_flash``: causal SDPA, flash backend.
 
+fla's ``g_gamma`` takes no gradient, where ``la`` also returns the per-head decay's; the
+``g`` variants both return the per-token decay's gradient.
+
 Then the ratios inside the run with the issue's targets beside them (``targets``), and
 how far our output is from fla's on the same inputs (``agreement``). The JSON is
 rewritten after every row, so a run cut by its timeout keeps what it measured. The
