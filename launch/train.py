@@ -133,10 +133,7 @@ def run(
         heartbeat.stop()
         checkpoint.release_save_locks()
         if topo.is_first:
-            it = trainer.iteration if trainer is not None else 0
-            print(f"hla-sp train: stopped by {stop} during iteration {it + 1}; nothing saved "
-                  f"since then (--exit-signal-handler finishes the iteration and saves)",
-                  file=sys.stderr, flush=True)
+            print(_interrupted_line(stop, trainer), file=sys.stderr, flush=True)
         if not exit_on_error:
             raise
         sys.stdout.flush()
@@ -184,6 +181,19 @@ def run(
     checkpoint.release_save_locks()
     shutdown(topo)
     return records
+
+
+def _interrupted_line(stop: signals.Interrupted, trainer: Trainer | None) -> str:
+    """The one line of a run a signal stopped: during an iteration, or during the save of
+    one (the iteration counter has moved on by then: the save is of the one just done)."""
+    saving = getattr(stop, "hla_sp_saving", None)
+    if saving is not None:
+        return (f"hla-sp train: stopped by {stop} while saving iteration {saving}'s "
+                f"checkpoint, which is left incomplete (the previous one stays the latest); "
+                f"--exit-signal-handler finishes the iteration and saves")
+    it = trainer.iteration if trainer is not None else 0
+    return (f"hla-sp train: stopped by {stop} during iteration {it + 1}; nothing saved "
+            f"since then (--exit-signal-handler finishes the iteration and saves)")
 
 
 def _is_oom(err: BaseException) -> bool:
