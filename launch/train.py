@@ -32,6 +32,10 @@ if __name__ == "__main__":  # under torchrun; run() installs the training-time h
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 warnings.filterwarnings("ignore", message=".*apex.*", category=UserWarning)
 warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
+# at TP > 1, once per rank: advice for CUDA's overlap of Megatron's async all-reduce,
+# which on CPU means nothing and on GPUs is not this trainer's schedule; it broke the
+# one-line stop of a failing run into five lines
+warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")
 
 import torch.distributed as dist  # noqa: E402
 from hla_sp.launch import checkpoint, faults, metrics, signals  # noqa: E402

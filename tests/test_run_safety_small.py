@@ -1,6 +1,7 @@
 """The second pass's small probes, in-process: profile traces are never overwritten,
 Ctrl-C during a save names the iteration being saved, and a TOML run file's wrongly
-typed values and nested tables are refused in the file's own words."""
+typed values and nested tables are refused in the file's own words, and Megatron's TP
+advice does not break the one-line stop."""
 
 from __future__ import annotations
 
@@ -75,3 +76,18 @@ def test_toml_values_of_the_wrong_type_are_named_in_the_files_words(
     with pytest.raises(SystemExit) as e:
         parse_args(["--config", str(f)])
     assert str(e.value) == f"hla_sp.launch.train: error: --config {f}: {want}"
+
+
+def test_megatrons_tp_advice_does_not_break_the_one_line_stop() -> None:
+    """Low: at TP 2, four lines of Megatron's CUDA_DEVICE_MAX_CONNECTIONS advice (two per
+    rank) came with the one-line stop."""
+    import warnings
+
+    import hla_sp.launch.train  # noqa: F401  (its filters are what the workers run under)
+
+    advice = ("When using async grad allreduce it is recommended to set the environment "
+              "variable CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.warn_explicit(advice, UserWarning, "layers.py", 738,
+                               module="megatron.core.tensor_parallel.layers")
+    assert seen == []
