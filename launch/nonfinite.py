@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -98,28 +99,31 @@ def mark_diverged(root: str | None, iteration: int) -> None:
 
 
 def saved_tensors(model: torch.nn.Module, main: list[torch.Tensor],
-                  optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Every floating tensor a checkpoint holds, as it is stored: the model's weights at
-    their stored dtype (a sharded half run's fp32 parameters are stored rounded to half,
-    where an fp32 value past 65504 becomes inf), the fp32 masters ``main`` and the
-    optimizer's state (this rank's shards under --use-distributed-optimizer)."""
+                  optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """Every floating tensor a checkpoint holds, as it is stored, one at a time (a
+    rounded copy lives only while it is checked): the model's weights at their stored
+    dtype (a sharded half run's fp32 parameters are stored rounded to half, where an
+    fp32 value past 65504 becomes inf), the fp32 masters ``main`` and the optimizer's
+    state (this rank's shards under --use-distributed-optimizer)."""
     half = half_dtype(model)
-    out = [local(p.detach()).to(half) if half is not None else local(p.detach())
-           for p in model.parameters() if p.is_floating_point()]
-    out += [local(m.detach()) for m in main]
+    for p in model.parameters():
+        if p.is_floating_point():
+            yield local(p.detach()).to(half) if half is not None else local(p.detach())
+    for m in main:
+        yield local(m.detach())
     for state in optimizer.state.values():
-        out += [local(v) for v in state.values() if torch.is_tensor(v) and v.is_floating_point()]
-    return out
+        yield from (local(v) for v in state.values()
+                    if torch.is_tensor(v) and v.is_floating_point())
 
 
-def checkpoint_finite(tensors: list[torch.Tensor], last: dict[str, Any] | None) -> bool:
+def checkpoint_finite(tensors: Iterable[torch.Tensor], last: dict[str, Any] | None) -> bool:
     """Whether a checkpoint counts as finite: every rank's ``tensors`` (all it saves,
     :func:`saved_tensors`; one reduction, read once, collective) and the loss of its
     iteration's record ``last`` and its gradient norm, unless the step was skipped
     (an fp16 overflow, or a non-finite step under --no-check-for-nan-in-loss-and-grad:
     the weights are the previous step's)."""
-    ok = (torch.stack([torch.isfinite(t).all() for t in tensors]).all() if tensors
-          else torch.tensor(True))
+    flags = [torch.isfinite(t).all() for t in tensors]
+    ok = torch.stack(flags).all() if flags else torch.tensor(True)
     flag = ok.to(torch.int32).reshape(1)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
