@@ -15,7 +15,7 @@ warning; one on another host cannot be checked from here, so the refusal names
 ``--break-save-lock``, which never breaks a holder alive on this host (refused naming
 its pid). A lock that cannot be read as one (a directory, no permission, a dangling
 link, garbage) is refused in one line naming the file and what to do. Each save first
-checks that the lock is still this run's (:func:`check_held`): a run whose lock was
+checks that the lock is still this run's (:mod:`.lock_held`): a run whose lock was
 removed or taken stops before writing. Release (end of the run, an error, a signal;
 and at interpreter exit as a last resort) removes the file only while it is still this
 holder's.
@@ -130,8 +130,7 @@ def _read(path: str) -> tuple[bytes, dict[str, Any] | None] | None:
     a lock record); None if there is none. A lock that cannot be read at all (a
     directory, no permission, a dangling symbolic link) raises :class:`MalformedLock`."""
     if os.path.islink(path) and not os.path.exists(path):
-        return_to = os.readlink(path)
-        raise _malformed(path, f"a symbolic link to {return_to}, which does not exist",
+        raise _malformed(path, f"a symbolic link to {os.readlink(path)}, which does not exist",
                          "delete the link")
     try:
         with open(path, "rb") as f:
@@ -341,50 +340,6 @@ def hold(save: str | None, rank: int, break_lock: bool = False) -> SaveLock:
     if why is not None:
         raise SaveLockError(why)
     return lock
-
-
-def lost(save: str, iteration: int) -> str | None:
-    """Why the lock this process took on ``save`` is no longer its own (removed, or
-    replaced by another run's), in one line; None while it holds it, or when it holds
-    none there (ranks other than 0, tools writing a checkpoint without a run)."""
-    for lock in list(_held.values()):
-        if not (os.path.isdir(save) and os.path.isdir(lock.save)
-                and os.path.samefile(lock.save, save)):
-            continue
-        try:
-            found = _read(lock.path)
-            now = "was removed" if found is None else (
-                None if found[1] is not None and found[1].get("token") == lock.token
-                else f"now holds {describe(found[1])}" if found[1] is not None
-                else "was replaced by a file that is not this run's lock")
-        except MalformedLock:
-            now = "was replaced by something that is not a lock"
-        if now is None:
-            continue
-        return (f"--save {save}: this run's lock {lock.path} {now} (another run or a "
-                f"person took the directory); stopped before writing iteration {iteration}'s "
-                f"checkpoint, so that two runs never write one --save; make sure no other "
-                f"run uses it, then resume with --load {save}")
-    return None
-
-
-def check_held(save: str, iteration: int, rank: int) -> None:
-    """Collective, at each save before anything is written: rank 0 checks that the lock
-    of ``save`` is still this run's (:func:`lost`); every rank raises the same
-    :class:`SaveLockError` if not."""
-    import torch.distributed as dist
-
-    why = lost(save, iteration) if rank == 0 else None
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [why]
-        dist.broadcast_object_list(box, src=0)
-        why = box[0]
-    if why is not None:
-        with _guard:  # the file is not ours any more: nothing of it to release
-            for lock in [x for x in _held.values() if x.save == save]:
-                lock.held = False
-                _held.pop(lock.token, None)
-        raise SaveLockError(why)
 
 
 @atexit.register

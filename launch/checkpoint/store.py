@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from hla_sp.launch.checkpoint import legacy, lock, manifest, sharded
+from hla_sp.launch.checkpoint import legacy, lock_held, manifest, sharded
 from hla_sp.launch.checkpoint.layout import (
     COMMON,
     CONFIG,
@@ -107,7 +107,7 @@ def _save(
 
     final = iter_dir(root, iteration)
     tmp = final + ".tmp"
-    lock.check_held(root, iteration, rank)  # never write into a --save another run took
+    lock_held.check_held(root, iteration, rank)  # never write into a --save another run took
     if rank == 0:
         os.makedirs(root, exist_ok=True)
         remove_leftovers(root)  # of crashed saves, at any iteration (this one included)
