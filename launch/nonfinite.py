@@ -8,7 +8,8 @@ rank alike (the values are global), so nothing is stepped, saved or pruned, and
 :func:`hla_sp.launch.train.run` reports its message in one line and exits non-zero.
 Without the check (``--no-check-for-nan-in-loss-and-grad``) the run does not stop: a
 non-finite step is skipped (no optimizer step, its record says ``skipped``), so the
-weights stay finite and the run trains on.
+weights stay finite and the run trains on; a checkpoint whose iteration's loss was
+non-finite is still recorded non-finite (its weights gave that loss).
 
 A checkpoint is finite when every tensor it holds is (the model's weights at their
 stored dtype, the fp32 masters, the optimizer's state) and so were its iteration's
@@ -118,16 +119,17 @@ def saved_tensors(model: torch.nn.Module, main: list[torch.Tensor],
 
 def checkpoint_finite(tensors: Iterable[torch.Tensor], last: dict[str, Any] | None) -> bool:
     """Whether a checkpoint counts as finite: every rank's ``tensors`` (all it saves,
-    :func:`saved_tensors`; one reduction, read once, collective) and the loss of its
-    iteration's record ``last`` and its gradient norm, unless the step was skipped
-    (an fp16 overflow, or a non-finite step under --no-check-for-nan-in-loss-and-grad:
-    the weights are the previous step's)."""
+    :func:`saved_tensors`; one reduction, read once, collective), the loss of its
+    iteration's record ``last`` (a skipped step's too: its weights gave that loss), and
+    its gradient norm unless the step was skipped (an fp16 overflow, or a non-finite
+    step under --no-check-for-nan-in-loss-and-grad)."""
     flags = [torch.isfinite(t).all() for t in tensors]
     ok = torch.stack(flags).all() if flags else torch.tensor(True)
     flag = ok.to(torch.int32).reshape(1)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     finite = bool(flag.item())
-    if last is not None and not last.get("skipped", False):
-        finite = finite and math.isfinite(last["loss"]) and math.isfinite(last["grad_norm"])
+    if last is not None:
+        finite = finite and math.isfinite(last["loss"]) and (
+            last.get("skipped", False) or math.isfinite(last["grad_norm"]))
     return finite
