@@ -1,8 +1,8 @@
 """A run whose loss or gradient norm goes non-finite stops before the optimizer step,
 saves and prunes nothing, says so in one line naming the iteration, the value and the
 checkpoint to resume from, and exits non-zero (Megatron's
---check-for-nan-in-loss-and-grad, on by default). With the check off it trains on, and
---keep-last still keeps the newest finite checkpoint and the one the run loaded."""
+--check-for-nan-in-loss-and-grad, on by default). --keep-last keeps the newest finite
+checkpoint and the one the run loaded (the check turned off: tests/test_nonfinite_probes.py)."""
 
 from __future__ import annotations
 
