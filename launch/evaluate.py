@@ -212,6 +212,9 @@ def main(argv: list[str], torchrun_command: Callable[..., list[str]]) -> int:
         require("megatron", "hla-sp eval")
         require("plot", "hla-sp eval")  # the PNG is half of the result
         plan = make_plan(args)
+        from hla_sp.launch.eval_memory import check_eval_memory
+
+        check_eval_memory(plan.cfg, plan.lengths, plan.cp)  # the launcher's, before any rank
         prepare_output(args)
     except (ConfigError, CheckpointError, DatasetError) as e:
         if args.debug or debug():

@@ -21,14 +21,18 @@ The directory is written beside DIR first and renamed into place once complete, 
 interrupted export leaves nothing half-written under DIR. An existing non-empty DIR is
 refused unless ``--force`` is given and DIR holds an earlier export (its config.json has
 ``model_type`` ``hla_sp``), which is then replaced whole; any other directory is never
-touched. Before the rename the written directory is loaded back through
-``AutoModelForCausalLM`` and its logits on a probe sequence are compared with the
-checkpoint's model (``--no-verify`` skips it).
+touched. A symbolic link DIR is followed (the export goes where it points). Before the
+rename the written directory is loaded back through ``AutoModelForCausalLM`` and its
+logits on a probe sequence are compared with the checkpoint's model; non-finite logits
+are refused, naming which model gave them (``--no-verify`` skips the comparison, and
+also reads a checkpoint whose manifest.json is missing, unverified). A checkpoint
+recorded non-finite is refused either way.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -119,6 +123,18 @@ def check_output(output: str, force: bool) -> None:
     parent = os.path.dirname(os.path.abspath(output))
     if not os.path.isdir(parent):
         raise ExportError(f"--output {output}: its parent directory {parent} does not exist")
+    # the export is written beside DIR and renamed into place: the parent must take both
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ExportError(f"--output {output}: its parent directory {parent} is not writable "
+                          f"(the export is written beside it, then renamed); choose a "
+                          f"writable place")
+
+
+def resolve_output(output: str) -> str:
+    """``--output`` as written to: a symbolic link is followed (the export goes where it
+    points, and the link stays), so that the link is never replaced by a directory."""
+    output = output.rstrip(os.sep) or output
+    return os.path.realpath(output) if os.path.islink(output) else output
 
 
 def _write_code(out: str, byte_tokenizer: bool) -> None:
@@ -237,6 +253,14 @@ def verify(out: str, ids: torch.Tensor, want: torch.Tensor) -> float:
                           f"nothing was left in place")
     with torch.no_grad():
         got = hf(ids).logits[0]
+    if not bool(torch.isfinite(want).all()):
+        raise ExportError("--load: the checkpoint's model gives non-finite logits (NaN or "
+                          "infinite) on the probe sequence: its weights cannot be used; export "
+                          "another iteration (--ckpt-step); nothing was left in place")
+    if not bool(torch.isfinite(got).all()):
+        raise ExportError("--verify: the exported model gives non-finite logits where the "
+                          "checkpoint's are finite (a weight too large for --dtype?); nothing "
+                          "was left in place")
     err = float((got - want).abs().max() / want.abs().max())
     if not err <= VERIFY_REL:
         raise ExportError(f"--verify: the exported model's logits differ from the "
@@ -263,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     from hla_sp.launch.generate import GenerateError
 
     args = build_parser().parse_args(argv)
-    output = args.output.rstrip(os.sep) or args.output
+    output = resolve_output(args.output)
     tmp = f"{output}.tmp-{os.getpid()}"
     try:
         from hla_sp.launch.extras import installed, require
@@ -283,8 +307,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ExportError(str(e)) from None
         check_output(output, args.force)
         os.makedirs(tmp)
+        from hla_sp.launch.checkpoint import manifest
+
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), (manifest.unverified() if not args.verify
+                                             else contextlib.nullcontext()):
                 _quiet_megatron()
                 with single_process():
                     summary = write_export(args, tmp)
@@ -293,6 +320,11 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     except (ExportError, GenerateError, ConfigError) as e:  # one line, not a traceback
         print(f"hla-sp export: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a full disk, a place that changed under the export
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"hla-sp export: error: {where}{e.strerror or e}; nothing was left in place",
+              file=sys.stderr)
         return 2
     print(f"hla-sp export: {output}: {summary}")
     return 0

@@ -148,6 +148,10 @@ def _toml_values(path: str, parser: argparse.ArgumentParser) -> dict[str, tuple[
     items: list[tuple[str, str, Any]] = []  # (where, key, value)
     for k, v in data.items():  # tables group keys; their keys are flags like the rest
         if isinstance(v, dict):
+            inner = next((kk for kk, vv in v.items() if isinstance(vv, dict)), None)
+            if inner is not None:  # [model.inner]: not a key of any flag
+                raise ConfigError(f"--config {path}: [{k}.{inner}]: tables nest one level "
+                                  f"([{k}] holds flags, not tables); put its keys in [{k}]")
             items += [(f"[{k}]", kk, vv) for kk, vv in v.items()]
         else:
             items.append(("the top level", k, v))
@@ -201,6 +205,15 @@ def _toml_tokens(path: str, values: dict[str, tuple[str, Any]],
     for dest, (key, value) in values.items():
         action = flags[dest]
         flag = action.option_strings[0]
+        switch = action.nargs == 0  # store_true, or a --x / --no-x pair
+        if switch and not isinstance(value, bool):
+            raise ConfigError(f"--config {path}: {key}: expected true or false, got {value!r}")
+        if not switch and isinstance(value, bool):
+            raise ConfigError(f"--config {path}: {key}: expected a value "
+                              f"({_type_name(action)}), got {str(value).lower()}")
+        if action.type in (int, float) and isinstance(value, str):
+            raise ConfigError(f"--config {path}: {key}: expected {_type_name(action)}, got "
+                              f"the string {value!r}; write it without quotes")
         if isinstance(value, bool):
             if isinstance(action, argparse._StoreTrueAction):
                 out += [flag] if value else []
@@ -229,6 +242,12 @@ def _toml_tokens(path: str, values: dict[str, tuple[str, Any]],
     except (ConfigError, SystemExit) as e:
         raise ConfigError(f"--config {path}: {e}") from None
     return out
+
+
+def _type_name(action: argparse.Action) -> str:
+    """What a flag's value is, in words (``an integer``)."""
+    return {int: "an integer", float: "a number", str: "a string"}.get(
+        action.type, getattr(action.type, "__name__", "a value"))  # type: ignore[arg-type]
 
 
 def is_number(text: str) -> bool:

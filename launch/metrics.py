@@ -58,6 +58,8 @@ def progress_line(rec: dict[str, Any], train_iters: int) -> str:
         extra += f" | recall acc {rec['val_recall_acc']:.3f}"
     if "loss_scale" in rec:
         extra += f" | loss scale {rec['loss_scale']:.3g}" + (" (skipped)" if rec["skipped"] else "")
+    elif rec.get("skipped"):  # --no-check-for-nan-in-loss-and-grad: not stepped
+        extra += " | non-finite: step skipped"
     if "tflops_per_rank" in rec:
         extra += (f" | {rec['tflops_per_rank']:.3g} TFLOP/s per rank "
                   f"({rec['tflops_total']:.3g} total)")

@@ -32,6 +32,10 @@ if __name__ == "__main__":  # under torchrun; run() installs the training-time h
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 warnings.filterwarnings("ignore", message=".*apex.*", category=UserWarning)
 warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
+# at TP > 1, once per rank: advice for CUDA's overlap of Megatron's async all-reduce,
+# which on CPU means nothing and on GPUs is not this trainer's schedule; it broke the
+# one-line stop of a failing run into five lines
+warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")
 
 import torch.distributed as dist  # noqa: E402
 from hla_sp.launch import checkpoint, faults, metrics, signals  # noqa: E402
@@ -133,10 +137,7 @@ def run(
         heartbeat.stop()
         checkpoint.release_save_locks()
         if topo.is_first:
-            it = trainer.iteration if trainer is not None else 0
-            print(f"hla-sp train: stopped by {stop} during iteration {it + 1}; nothing saved "
-                  f"since then (--exit-signal-handler finishes the iteration and saves)",
-                  file=sys.stderr, flush=True)
+            print(_interrupted_line(stop, trainer), file=sys.stderr, flush=True)
         if not exit_on_error:
             raise
         sys.stdout.flush()
@@ -184,6 +185,19 @@ def run(
     checkpoint.release_save_locks()
     shutdown(topo)
     return records
+
+
+def _interrupted_line(stop: signals.Interrupted, trainer: Trainer | None) -> str:
+    """The one line of a run a signal stopped: during an iteration, or during the save of
+    one (the iteration counter has moved on by then: the save is of the one just done)."""
+    saving = getattr(stop, "hla_sp_saving", None)
+    if saving is not None:
+        return (f"hla-sp train: stopped by {stop} while saving iteration {saving}'s "
+                f"checkpoint, which is left incomplete (the previous one stays the latest); "
+                f"--exit-signal-handler finishes the iteration and saves")
+    it = trainer.iteration if trainer is not None else 0
+    return (f"hla-sp train: stopped by {stop} during iteration {it + 1}; nothing saved "
+            f"since then (--exit-signal-handler finishes the iteration and saves)")
 
 
 def _is_oom(err: BaseException) -> bool:

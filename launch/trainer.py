@@ -11,7 +11,8 @@ Each optimizer step:
 3. gradients are all-reduced over DP x CP, clipped by the global norm (TP-aware), and
    AdamW steps with Megatron's warmup + cosine scheduler;
 4. a non-finite loss or gradient norm stops the run before the optimizer steps, on
-   every rank alike (:mod:`hla_sp.launch.nonfinite`); an fp16 overflow stays a skip.
+   every rank alike (:mod:`hla_sp.launch.nonfinite`); an fp16 overflow stays a skip,
+   and so is such a step under --no-check-for-nan-in-loss-and-grad.
 
 :func:`hla_sp.launch.train.run` builds it inside a process group (under torchrun, and
 in each worker of the Ray sweep).
@@ -160,10 +161,10 @@ class Trainer:
         else:
             grad_norm, loss_total = self.parts.clip(loss_sum, cfg.optimizer.clip_grad)
         loss = loss_total / max(total_tokens, 1.0)
-        check = cfg.optimizer.check_for_nan_in_loss_and_grad
-        bad = non_finite(loss, grad_norm, skipped) if check else ""
-        if bad:
+        bad = non_finite(loss, grad_norm, skipped)
+        if bad and cfg.optimizer.check_for_nan_in_loss_and_grad:
             raise NonFiniteError(stop_line(cfg, self.iteration, self.resumed_from, bad))
+        skipped = skipped or bool(bad)  # the opt-out trains on: no non-finite update
         if not skipped:
             self.optimizer.step()
             self.masters.copy_to_model()
@@ -196,7 +197,8 @@ class Trainer:
             "dp": topo.dp,
             "world_size": topo.world_size,
             "attention": cfg.model.attention,
-            **({"loss_scale": scale, "skipped": skipped} if self.scaler is not None else {}),
+            **({"loss_scale": scale} if self.scaler is not None else {}),
+            **({"skipped": skipped} if self.scaler is not None or skipped else {}),
         }
 
     def save(self, last: dict[str, Any] | None = None) -> str:

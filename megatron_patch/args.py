@@ -46,6 +46,10 @@ def import_custom(modules: Sequence[str]) -> None:
     for name in modules:
         try:
             importlib.import_module(name)
+        except SystemExit as e:  # sys.exit() at import: not a silent end of the run
+            raise ValueError(f"--custom-import {name}: the module called sys.exit({e.code!r}) "
+                             f"while being imported; a module that registers operators "
+                             f"must not exit") from None
         except Exception as e:  # the user's code: whatever it raises, name the module
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise ValueError(f"--custom-import {name}: cannot import it "

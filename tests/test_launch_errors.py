@@ -166,6 +166,11 @@ def _corrupt_model_state(ck: Path) -> None:
     """Truncate every rank's model state; without the file digests (a checkpoint of an
     older version), so that the read itself fails in the workers, on every rank."""
     (ck / "iter_0000002" / "manifest.json").unlink(missing_ok=True)
+    import torch
+
+    common = torch.load(ck / "iter_0000002" / "common.pt", weights_only=True)
+    common["format"] = 2  # a format before manifests: its missing manifest is no refusal
+    torch.save(common, ck / "iter_0000002" / "common.pt")
     for f in (ck / "iter_0000002" / "model_optim").glob("*.distcp"):
         with open(f, "r+b") as fh:
             fh.truncate(f.stat().st_size // 2)
