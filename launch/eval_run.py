@@ -29,7 +29,7 @@ warnings.filterwarnings("ignore", message=".*(Apex|apex|Transformer Engine|full 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from hla_sp.launch import eval_report, faults, metrics  # noqa: E402
+from hla_sp.launch import drills, eval_report, faults, metrics  # noqa: E402
 from hla_sp.launch.distributed import Topology, init_distributed, shutdown  # noqa: E402
 from hla_sp.launch.eval_tasks import bucket_of, buckets, passkey  # noqa: E402
 from hla_sp.launch.evaluate import Plan, build_parser, make_plan, prepare_output  # noqa: E402
@@ -154,7 +154,7 @@ def evaluate(plan: Plan, topo: Topology) -> dict[str, Any]:
     run = ppl_length if plan.args.task == "ppl-by-position" else passkey_length
     _warm_up(model, plan, topo.device)
     for i, length in enumerate(plan.lengths):
-        faults.maybe_inject(topo.rank, i + 1)  # HLA_SP_FAULT drills: ITER is the i-th length
+        drills.maybe_inject(topo.rank, i + 1)  # HLA_SP_FAULT drills: ITER is the i-th length
         metrics.reset_peak_memory()
         dist.barrier()
         start = time.perf_counter()

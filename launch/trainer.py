@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from hla_sp.launch import faults, metrics, signals
+from hla_sp.launch import drills, faults, metrics, signals
 from hla_sp.launch.components import CheckpointManager, ModelParts, RunMetrics, TrainData
 from hla_sp.launch.config import TrainConfig
 from hla_sp.launch.data import microbatches
@@ -130,7 +130,7 @@ class Trainer:
     def step(self) -> dict[str, Any]:
         """Train one global batch; return the iteration's record (loss reduced globally)."""
         cfg, topo = self.cfg, self.topo
-        faults.maybe_inject(topo.rank, self.iteration + 1)
+        drills.maybe_inject(topo.rank, self.iteration + 1)
         t0 = time.perf_counter()
         self.model.train()
         batches = self._batches(self.data.samples, self.consumed_samples)

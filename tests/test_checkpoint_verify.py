@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpt_formats import without_manifest_as_format_2
 from hla_sp.launch import checkpoint
 from hla_sp.launch.checkpoint import manifest
 
@@ -118,13 +119,6 @@ def test_truncated_or_missing_file_is_refused(tmp_path: Path, group: None) -> No
         assert msg.startswith(f"{rng}: missing; manifest.json of iteration 4 lists it")
 
 
-def _as_format_2(d: Path) -> None:
-    """Make ``d`` a checkpoint of format 2, which may predate manifests."""
-    common = torch.load(d / "common.pt", weights_only=True)
-    common["format"] = 2
-    torch.save(common, d / "common.pt")
-
-
 def test_a_deleted_manifest_is_refused_unless_the_format_predates_manifests(
     tmp_path: Path, group: None, capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
@@ -145,7 +139,7 @@ def test_a_deleted_manifest_is_refused_unless_the_format_predates_manifests(
         assert float(_load(root)[0].weight[0, 0].detach()) == 0.75
     assert capsys.readouterr().err.strip().splitlines() == [
         f"[hla-sp] warning: {d}: no manifest.json (--no-verify); loading it unverified"]
-    _as_format_2(d)  # written before manifests existed: loads, with one warning
+    without_manifest_as_format_2(d)  # written before manifests existed: loads, with one warning
     assert float(_load(root)[0].weight[0, 0].detach()) == 0.75
     model = _parts()["model"]
     checkpoint.load_weights(str(root), 5, model)
@@ -162,9 +156,8 @@ def test_common_pt_of_another_iteration_is_refused_without_a_manifest(
     root = tmp_path / "c"
     _save(root, 1)
     d2 = _save(root, 2)
-    (d2 / checkpoint.MANIFEST).unlink()
     shutil.copy(root / "iter_0000001" / "common.pt", d2 / "common.pt")
-    _as_format_2(d2)
+    without_manifest_as_format_2(d2)
     with pytest.raises(checkpoint.CheckpointError) as e:
         _load(root, 2)
     assert str(e.value).startswith(f"{d2 / 'common.pt'}: records iteration 1, expected 2")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from ckpt_formats import without_manifest_as_format_2
 from hla_sp.launch import errors, faults, torchrun
 from hla_sp.launch.cli import main as cli_main
 from hla_sp.launch.local import worker_env
@@ -165,12 +166,7 @@ def test_nothing_to_do_gives_a_command_that_runs_as_printed(
 def _corrupt_model_state(ck: Path) -> None:
     """Truncate every rank's model state; without the file digests (a checkpoint of an
     older version), so that the read itself fails in the workers, on every rank."""
-    (ck / "iter_0000002" / "manifest.json").unlink(missing_ok=True)
-    import torch
-
-    common = torch.load(ck / "iter_0000002" / "common.pt", weights_only=True)
-    common["format"] = 2  # a format before manifests: its missing manifest is no refusal
-    torch.save(common, ck / "iter_0000002" / "common.pt")
+    without_manifest_as_format_2(ck / "iter_0000002")
     for f in (ck / "iter_0000002" / "model_optim").glob("*.distcp"):
         with open(f, "r+b") as fh:
             fh.truncate(f.stat().st_size // 2)

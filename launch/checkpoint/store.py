@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from hla_sp.launch import drills
 from hla_sp.launch.checkpoint import legacy, lock_held, manifest, sharded
 from hla_sp.launch.checkpoint.layout import (
     COMMON,
@@ -103,8 +104,6 @@ def _save(
     consumed_samples: int, config: dict[str, Any], extra: dict[str, Any],
     keep_last: int | None, finite: bool, loaded: int | None, loss: float | None,
 ) -> str:
-    from hla_sp.launch import faults
-
     final = iter_dir(root, iteration)
     tmp = final + ".tmp"
     lock_held.check_held(root, iteration, rank)  # never write into a --save another run took
@@ -113,7 +112,7 @@ def _save(
         remove_leftovers(root)  # of crashed saves, at any iteration (this one included)
         os.makedirs(tmp)
     dist.barrier()
-    faults.maybe_inject(rank, iteration, phase="save")
+    drills.maybe_inject(rank, iteration, phase="save")
     masters = extra.pop("main_params", None)
     described = sharded.describe_model(model, writes_model)
     half = half_dtype(model)
