@@ -13,7 +13,7 @@ whole tensors that any TP, CP or DP size saved, SHA-256-verified), converted by
                                   the tied output layer stored once
     DIR/generation_config.json    the end of document as eos (and bos, pad)
     DIR/tokenizer_config.json ... the run's tokenizer (bytes: HLASPByteTokenizer)
-    DIR/configuration_hla_sp.py   two-line modules importing the installed ``hla_sp.hf``
+    DIR/configuration_hla_sp.py   short modules importing the installed ``hla_sp.hf``
     DIR/modeling_hla_sp.py        (for ``trust_remote_code=True``: the code is the
     DIR/tokenization_hla_sp.py    package's, never a copy that could drift from it)
 
@@ -37,6 +37,8 @@ import warnings
 
 import torch
 
+from hla_sp import __version__
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # the probe of --verify: its length (at most the learned positions) and its seed
 PROBE_TOKENS, PROBE_SEED = 64, 0
@@ -59,6 +61,11 @@ CODE = {
     "modeling_hla_sp.py": ("hla_sp.hf.modeling", ["HLASPForCausalLM", "HLASPModel"]),
     "tokenization_hla_sp.py": ("hla_sp.hf.tokenization", ["HLASPByteTokenizer"]),
 }
+
+
+# what a machine without hla-sp reads on loading an export (docs/eval.md, "Anywhere else")
+MISSING = (f"this model's code is hla-sp's: pip install \"hla_sp-{__version__}-py3-none-any"
+           f".whl[hf]\" (make wheel in an hla-sp checkout builds it; docs/eval.md)")
 
 
 class ExportError(RuntimeError):
@@ -127,10 +134,17 @@ def _write_code(out: str, byte_tokenizer: bool) -> None:
         if name.startswith("tokenization") and not byte_tokenizer:
             continue
         names = ", ".join(f'"{c}"' for c in classes)
+        # transformers' check_imports skips imports inside try: a machine without hla-sp
+        # then reads the except's one line on how to install it, not a list of packages
         with open(os.path.join(out, name), "w") as f:
             f.write('"""hla-sp for transformers (trust_remote_code=True): the classes of the '
-                    'installed\npackage (pip install "hla-sp[hf]"), not a copy of them."""\n\n'
-                    f"from {module} import {', '.join(classes)}\n\n__all__ = [{names}]\n")
+                    'installed\npackage, not a copy of them."""\n\ntry:\n'
+                    f"    from {module} import {', '.join(classes)}\n"
+                    "except ImportError as e:\n"
+                    f"    if e.name not in ({module!r}, 'hla_sp', 'hla_sp.hf'):\n"
+                    "        raise\n"
+                    f"    raise ImportError({MISSING!r}) from None\n\n"
+                    f"__all__ = [{names}]\n")
 
 
 def _probe(vocab: int, positions: int | None) -> torch.Tensor:
