@@ -2,7 +2,7 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
-EXTRAS ?= dev,triton,megatron,ray,hf,eval
+EXTRAS ?= dev,triton,megatron,ray,hf,eval,tensorboard
 
 .PHONY: setup setup-megatron wheel test test-slow lint demo demo-ops demo-1m demo-recall demo-python sample bench bench-sp bench-recall bench-lm bench-precision gpu-aot gpu-check gpu-quality clean
 
@@ -100,13 +100,13 @@ demo-1m: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_ops.py --threads 1
 
-# Recall across context-parallel ranks: the pairs on rank 0, the queries on rank 3
-# (600 steps, about 20 min on 2 cores).
 # Sample 200 bytes from the demo's checkpoint (run make demo first).
 sample: $(STAMP)
 	$(PY) -m hla_sp.launch.cli generate --load runs/demo/ckpt --prompt "def " \
 	    --max-new-tokens 200 --temperature 0.8 --top-k 40
 
+# Recall across context-parallel ranks: the pairs on rank 0, the queries on rank 3
+# (600 steps, about 20 min on 2 cores).
 demo-recall: $(STAMP)
 	$(PY) -m hla_sp.launch.cli train --nproc-per-node 4 --context-parallel-size 4 \
 	    --data synthetic-recall --recall-pairs 4 --seq-length 64 --num-layers 2 \

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_malloc.py [--targets demo,demo-python] [--iters 40]
                                       [--policies glibc-default,mmap-128k,launcher]
-                                      [--out benchmarks/results] [--name bench_malloc]
+                                      [--out runs/bench] [--name bench_malloc]
 
 Each target's training command is read from the Makefile as written (paths moved to a
 temporary directory, ``--train-iters`` set to ``--iters`` with the whole run's learning
@@ -17,9 +17,11 @@ policy:
 * ``launcher``: nothing set; the launcher's policy (both thresholds at 1 GiB).
 
 Per run: wall time; user and system CPU seconds and minor page faults of the launcher
-and every worker (``getrusage(RUSAGE_CHILDREN)``, which counts waited-for descendants);
-the largest resident set of any of them; the median step time after the first step;
-the last loss, and whether every loss equals the first policy's bit for bit. The load
+and every worker (``wait4`` on the launcher, which counts its waited-for workers); the
+largest resident set of any of them; the trainer's peak memory at the first and the
+last iteration (memory that creeps from step to step shows there); the median step
+time after the first step; the last loss, and whether every loss equals the first
+policy's bit for bit. The load
 average before each run is recorded beside it: figures taken beside other work say so.
 Writes ``OUT/NAME.json``.
 """
@@ -31,7 +33,6 @@ import json
 import os
 import platform
 import re
-import resource
 import shlex
 import statistics
 import subprocess
@@ -86,25 +87,29 @@ def measure(argv: list[str], policy: dict[str, str], jsonl: str) -> dict[str, An
            if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD")}
     env.update(policy)
     load = os.getloadavg()[0]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    p = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    output = proc.stdout.read() if proc.stdout else ""
+    # the launcher's and its waited-for workers' usage, this run only
+    _, status, use = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if p.returncode != 0:
-        raise SystemExit(f"{shlex.join(argv)} failed:\n{p.stdout[-2000:]}{p.stderr[-2000:]}")
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise SystemExit(f"{shlex.join(argv)} failed:\n{output[-4000:]}")
     with open(jsonl) as f:
         rows = [r for r in map(json.loads, filter(str.strip, f)) if "loss" in r]
     steps = [r["step_time_s"] for r in rows[1:]]
     return {
         "load_avg_1min_before": round(load, 2),
         "wall_s": round(wall, 2),
-        "user_s": round(after.ru_utime - before.ru_utime, 2),
-        "sys_s": round(after.ru_stime - before.ru_stime, 2),
-        "minor_faults": after.ru_minflt - before.ru_minflt,
-        # the largest of any descendant so far (Linux: KiB); runs go in order, so a later
-        # policy's value is at least the earlier ones'
-        "max_rss_gib_any_process": round(after.ru_maxrss / 2**20, 3),
+        "user_s": round(use.ru_utime, 2),
+        "sys_s": round(use.ru_stime, 2),
+        "minor_faults": use.ru_minflt,
+        "max_rss_gib_any_process": round(use.ru_maxrss / 2**20, 3),  # Linux: KiB
+        # the trainer's peak per iteration (max of ranks): memory that creeps shows here
+        "peak_mem_gib_first_last": [round(rows[i]["peak_mem_bytes"] / 2**30, 3)
+                                    for i in (0, -1)],
         "step_s_median": round(statistics.median(steps), 4) if steps else None,
         "iterations": len(rows),
         "loss_last": rows[-1]["loss"],
@@ -117,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--targets", default="demo,demo-python")
     p.add_argument("--iters", type=int, default=40)
     p.add_argument("--policies", default=",".join(POLICIES))
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench"))
     p.add_argument("--name", default="bench_malloc")
     args = p.parse_args(argv)
     if args.iters < 2:

@@ -213,7 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     usage = ("usage: hla-sp {train,sweep,make-dataset,generate,export,eval} ... "
              "(hla-sp COMMAND --help for each)")
     if not argv or argv[0] in ("-h", "--help"):
-        print(usage + "\n\n" + (__doc__ or ""))
+        from hla_sp.launch.flags import plain
+
+        print(usage + "\n\n" + plain(__doc__ or ""))
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "train":

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 from hla_sp.launch.data import EOD
-from hla_sp.launch.flags import OneLineParser
+from hla_sp.launch.flags import OneLineParser, plain
 from hla_sp.launch.tokenizer import (
     BYTES,
     RunTokenizer,
@@ -121,7 +121,7 @@ def make_dataset(
 
 def build_parser() -> OneLineParser:
     p = OneLineParser(prog="hla-sp make-dataset", allow_abbrev=False,
-                      description=__doc__.split("\n")[0])
+                      description=plain(__doc__.split("\n")[0]))
     p.add_argument("--input", nargs="+", required=True, help="Text files or directories.")
     p.add_argument("--output-prefix", required=True,
                    help="Writes PREFIX.bin, PREFIX.idx and PREFIX.json (the tokenizer).")

@@ -341,7 +341,9 @@ def _run_grid(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="hla-sp sweep", description=__doc__.split("\n")[0])
+    from hla_sp.launch.flags import plain
+
+    ap = argparse.ArgumentParser(prog="hla-sp sweep", description=plain(__doc__.split("\n")[0]))
     ap.add_argument("config", help="Sweep config (.json or .toml).")
     ap.add_argument("--output-dir", default=None, help="Overrides output_dir in the config.")
     a = ap.parse_args(argv)
