@@ -167,7 +167,7 @@ def _train(argv: list[str]) -> int:
             # the checkpoint checks here too, before torchrun starts: one line, not one per
             # rank followed by torchrun's failure summary
             preflight(cfg)
-            done = nothing_to_do(cfg, ["hla-sp", "train", *argv])
+            done = nothing_to_do(cfg)
         cmd = torchrun_command(launch, rest)
         if launch.dry_run:
             from hla_sp.launch.estimate import planned_device_memory
