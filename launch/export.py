@@ -36,6 +36,7 @@ import sys
 import warnings
 
 import torch
+from hla_sp.launch.progress import Progress
 
 from hla_sp import __version__
 
@@ -162,7 +163,10 @@ def write_export(args: argparse.Namespace, out: str) -> str:
     from hla_sp.launch.tokenizer import load_run_tokenizer
 
     dtype = DTYPES[args.dtype]
+    # stages: read the checkpoint, write the directory, (verify) load it back and compare
+    bar = Progress("export", 3 if args.verify else 2, "stages")
     model, cfg = load_model(args.load, args.ckpt_step, decodable=False)
+    bar.advance(note="writing the model directory")
     tok = load_run_tokenizer(cfg)
     # the model's vocabulary, not the tokenizer's when --vocab-size exceeded it: the ids
     # above the tokenizer's were trained (to improbability) and share the softmax
@@ -175,11 +179,13 @@ def write_export(args: argparse.Namespace, out: str) -> str:
     state = {k: v.to(dtype).contiguous() for k, v in state.items()}
     byte_tok = _save_files(out, hf_config, state, tok, args.dtype)
     del state
+    bar.advance(note="checking its logits")
     m = cfg.model
     summary = (f"{m.attention} GPT, {m.num_layers} layers x {m.hidden_size} hidden, "
                f"vocabulary {vocab} ({'bytes' if byte_tok else tok.name}), "
                f"{args.dtype}")
     if not args.verify:
+        bar.close()
         return summary
     # the reference: the checkpoint's model in fp32 on the weights as exported (rounded to
     # bf16 for --dtype bf16), so that the comparison is exact up to summation order
@@ -193,6 +199,8 @@ def write_export(args: argparse.Namespace, out: str) -> str:
         want = model(ids, torch.arange(ids.shape[1])[None], None)[0, :, :vocab]
     del model
     err = verify(out, ids, want)
+    bar.advance()
+    bar.close()
     return summary + f"; logits checked: max difference {err:.1e} of the largest"
 
 
