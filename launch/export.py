@@ -34,11 +34,10 @@ import os
 import shutil
 import sys
 import warnings
+from importlib.metadata import version
 
 import torch
 from hla_sp.launch.progress import Progress
-
-from hla_sp import __version__
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # the probe of --verify: its length (at most the learned positions) and its seed
@@ -65,7 +64,7 @@ CODE = {
 
 
 # what a machine without hla-sp reads on loading an export (docs/eval.md, "Anywhere else")
-MISSING = (f"this model's code is hla-sp's: pip install \"hla_sp-{__version__}-py3-none-any"
+MISSING = (f"this model's code is hla-sp's: pip install \"hla_sp-{version('hla-sp')}-py3-none-any"
            f".whl[hf]\" (make wheel in an hla-sp checkout builds it; docs/eval.md)")
 
 

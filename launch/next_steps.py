@@ -1,5 +1,5 @@
-"""What to run after a training run: the lines ``done`` ends with, and the hint to train
-further that ``nothing to do`` gives.
+"""The hint to train further that ``nothing to do`` and ``done`` give
+(:mod:`hla_sp.launch.after_training` holds the rest of what ``done`` names).
 
 Training further changes few flags, so the hint names only those. It chooses a fresh
 decay over the new iterations, the schedule a user who asks for more iterations most
@@ -46,38 +46,3 @@ def train_further(cfg: Any, resume: int) -> str:
     return (f"to train further, rerun with: {said} (a fresh {opt.lr_decay_style} decay from --lr "
             f"{opt.lr:g} to --min-lr {opt.min_lr:g} over iterations {resume + 1}-{more}; "
             f"{keep})")
-
-
-def next_commands(cfg: Any, iteration: int) -> list[str]:
-    """The lines after ``done``: sample, export, evaluate the checkpoint in --save, and
-    train further; one line saying why when nothing was saved."""
-    save = cfg.checkpoint.save
-    if not save:
-        return ["next: nothing was saved (no --save), so there is no checkpoint to sample, "
-                "export or evaluate"]
-    from hla_sp.launch.generate import GenerateError, check_decodable
-
-    q = shlex.quote(save)
-    out = ["next:"]
-    try:
-        check_decodable(cfg)
-        out.append(f"  hla-sp generate --load {q} --prompt 'def ' --max-new-tokens 200")
-    except GenerateError:
-        pass  # softmax layers or rope: generate refuses them; the export decodes
-    out.append(f"  hla-sp export --load {q} --output {shlex.quote(_beside(save, 'hf'))}")
-    m = cfg.model
-    # learned positions reach no further than their table; the others run at any length
-    length = (m.max_position_embeddings or m.seq_length
-              if m.position_embedding_type == "learned_absolute" else 4 * m.seq_length)
-    out.append(f"  hla-sp eval --load {q} --task ppl-by-position --lengths {length} "
-               f"--output {shlex.quote(_beside(save, 'eval'))}")
-    out.append(f"  {train_further(cfg, iteration)}")
-    return out
-
-
-def _beside(save: str, name: str) -> str:
-    """``runs/demo/ckpt`` -> ``runs/demo/NAME``: an output next to the checkpoint."""
-    import os
-
-    parent = os.path.dirname(os.path.normpath(save))
-    return os.path.join(parent, name) if parent else name

@@ -211,7 +211,7 @@ def _say_trained(cfg: TrainConfig, trainer: Trainer, records: list[dict[str, Any
     if trainer.stopped_by:
         metrics.say(_stopped_line(cfg, trainer))
     elif records:
-        from hla_sp.launch.next_steps import next_commands
+        from hla_sp.launch.after_training import next_commands
 
         for line in next_commands(cfg, trainer.iteration):
             metrics.say(line)
