@@ -5,11 +5,15 @@ showing it (eval, export, generate and the sweep use the same class)."""
 from __future__ import annotations
 
 import io
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from hla_sp.launch import progress
+from hla_sp.launch.local import worker_env
 from hla_sp.launch.progress import Progress
 
 
@@ -85,3 +89,37 @@ def test_make_dataset_shows_progress_in_a_log(tmp_path: Path, capsys: pytest.Cap
     assert [re.sub(r"elapsed .*", "", x) for x in err] == [
         "make-dataset: 33% (1.00k/3.00k bytes), ", "make-dataset: 67% (2.00k/3.00k bytes), "]
     assert all(re.search(r"elapsed \d+s, ETA \d+s$", x) for x in err), err
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-process run of 2 iterations, positions none (any length decodes)."""
+    pytest.importorskip("megatron.core")
+    d = tmp_path_factory.mktemp("progress")
+    hla_sp = os.path.join(os.path.dirname(sys.executable), "hla-sp")
+    p = subprocess.run([hla_sp, "train", "--nproc-per-node", "1", "--num-layers", "1",
+                        "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length",
+                        "64", "--train-iters", "2", "--position-embedding-type", "none",
+                        "--save", str(d / "ck")], capture_output=True, text=True,
+                       env=worker_env(None), timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    return d / "ck"
+
+
+@pytest.mark.parametrize(("argv", "label"), [
+    (["generate", "--prompt", "x", "--max-new-tokens", "300", "--no-stop-at-eod"],
+     "generate: "),
+    (["eval", "--task", "ppl-by-position", "--lengths", "128,256", "--samples", "2"],
+     "eval ppl-by-position: "),
+])
+def test_long_commands_write_progress_lines_to_a_log(checkpoint: Path, tmp_path: Path,
+                                                     argv: list[str], label: str) -> None:
+    """Through the console script, stderr a pipe: lines with an ETA."""
+    hla_sp = os.path.join(os.path.dirname(sys.executable), "hla-sp")
+    p = subprocess.run([hla_sp, *argv, "--load", str(checkpoint)], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=600,
+                       env=worker_env({progress.INTERVAL_ENV: "0"}))
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = [x for x in p.stderr.splitlines() if x.startswith(label)]
+    assert lines and all(re.search(r"\d+% \(.*\), elapsed \d+s, ETA \d+s", x) for x in lines), (
+        p.stderr[-2000:])
