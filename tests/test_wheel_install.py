@@ -101,7 +101,13 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     p = subprocess.run([HLA_SP, "export", "--load", str(ckpt), "--output", str(hf)],
                        capture_output=True, text=True, env=_env(None), timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    # make wheel's command, on a copy of the sources (the build writes build/ beside them)
+    # make wheel's command, on a copy of the sources (the build writes build/ beside them);
+    # the SPDX license needs setuptools >= 77, which make setup installs
+    import setuptools
+    from packaging.version import Version
+
+    assert Version(setuptools.__version__) >= Version("77"), (
+        f"setuptools {setuptools.__version__} in this venv: make setup installs >= 77")
     src = d / "src"
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", *SOURCES],
                            cwd=ROOT, capture_output=True, text=True, check=True).stdout
