@@ -2,18 +2,23 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
-EXTRAS ?= dev,triton,megatron,ray,hf,eval
+EXTRAS ?= dev,triton,megatron,ray,hf,eval,tensorboard
 
-.PHONY: setup setup-megatron test test-slow lint demo demo-ops demo-1m demo-recall demo-python sample bench bench-sp bench-recall bench-lm bench-precision gpu-aot gpu-check gpu-quality gpu-wheels gpu-lease-dry clean
+.PHONY: setup setup-megatron wheel test test-slow lint demo demo-ops demo-1m demo-recall demo-python sample bench bench-sp bench-recall bench-lm bench-precision gpu-aot gpu-check gpu-quality gpu-wheels gpu-lease-dry clean
 
 $(STAMP): pyproject.toml requirements-cpu.txt
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --upgrade pip "setuptools>=77"
 	# The constraints file pins the CPU build of torch; pyproject leaves it open for GPU users.
 	$(PY) -m pip install -q -c requirements-cpu.txt -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# What a user installs on a machine without this checkout (docs/eval.md, "Anywhere else"):
+# dist/hla_sp-VERSION-py3-none-any.whl, pure Python, built offline with the venv's setuptools.
+wheel: $(STAMP)
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation --no-index -w dist .
 
 # Python 3.12 with the CUDA build of torch (runs on CPU) and megatron-core 0.17-0.19, one
 # directory each, for the tests that run Megatron's own pretrain() (tests/test_megatron_pretrain.py).
@@ -95,13 +100,13 @@ demo-1m: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_ops.py --threads 1
 
-# Recall across context-parallel ranks: the pairs on rank 0, the queries on rank 3
-# (600 steps, about 20 min on 2 cores).
 # Sample 200 bytes from the demo's checkpoint (run make demo first).
 sample: $(STAMP)
 	$(PY) -m hla_sp.launch.cli generate --load runs/demo/ckpt --prompt "def " \
 	    --max-new-tokens 200 --temperature 0.8 --top-k 40
 
+# Recall across context-parallel ranks: the pairs on rank 0, the queries on rank 3
+# (600 steps, about 20 min on 2 cores).
 demo-recall: $(STAMP)
 	$(PY) -m hla_sp.launch.cli train --nproc-per-node 4 --context-parallel-size 4 \
 	    --data synthetic-recall --recall-pairs 4 --seq-length 64 --num-layers 2 \

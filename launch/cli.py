@@ -34,7 +34,6 @@ from hla_sp.launch.config import ConfigError, TrainConfig, build_parser, parse_a
 from hla_sp.launch.data import DatasetError
 from hla_sp.launch.errors import DEBUG_ENV, debug
 from hla_sp.launch.extras import require
-from hla_sp.launch.local import MALLOC_MMAP_THRESHOLD
 
 
 def torchrun_command(launch: argparse.Namespace, trainer_argv: list[str],
@@ -168,7 +167,7 @@ def _train(argv: list[str]) -> int:
             # the checkpoint checks here too, before torchrun starts: one line, not one per
             # rank followed by torchrun's failure summary
             preflight(cfg)
-            done = nothing_to_do(cfg, ["hla-sp", "train", *argv])
+            done = nothing_to_do(cfg)
         cmd = torchrun_command(launch, rest)
         if launch.dry_run:
             from hla_sp.launch.estimate import planned_device_memory
@@ -193,8 +192,10 @@ def _train(argv: list[str]) -> int:
         print(" ".join(cmd))
         return 0
     sys.stdout.flush()
-    # see hla_sp.launch.local: keeps CPU memory from creeping up (the workers inherit it)
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", MALLOC_MMAP_THRESHOLD)
+    # glibc's thresholds for the workers (they inherit them), unless the user chose
+    from hla_sp.launch.allocator import set_worker_allocator
+
+    set_worker_allocator()
     # torchrun sets 1 for its workers anyway when unset, with a four-line warning saying so
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # the resume line after a signal quotes the user's own command
@@ -212,7 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     usage = ("usage: hla-sp {train,sweep,make-dataset,generate,export,eval} ... "
              "(hla-sp COMMAND --help for each)")
     if not argv or argv[0] in ("-h", "--help"):
-        print(usage + "\n\n" + (__doc__ or ""))
+        from hla_sp.launch.flags import plain
+
+        print(usage + "\n\n" + plain(__doc__ or ""))
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "train":

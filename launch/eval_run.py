@@ -15,12 +15,14 @@ So the result does not depend on P beyond the rounding of the model's own sums.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import signal
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 # Megatron warns on import about apex/TE; on CPU that is the expected state
@@ -31,8 +33,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from hla_sp.launch import drills, eval_report, faults, metrics  # noqa: E402
 from hla_sp.launch.distributed import Topology, init_distributed, shutdown  # noqa: E402
-from hla_sp.launch.eval_tasks import bucket_of, buckets, passkey  # noqa: E402
+from hla_sp.launch.eval_tasks import bucket_of, buckets, passkey, short  # noqa: E402
 from hla_sp.launch.evaluate import Plan, build_parser, make_plan, prepare_output  # noqa: E402
+from hla_sp.launch.progress import Progress  # noqa: E402
 from hla_sp.megatron_patch.compat import cp_split  # noqa: E402
 
 PROG = "hla-sp eval"
@@ -57,9 +60,10 @@ def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def ppl_length(model: torch.nn.Module, plan: Plan, length: int, device: torch.device
-               ) -> dict[str, Any]:
-    """Loss per position bucket at ``length``, over --samples windows."""
+def ppl_length(model: torch.nn.Module, plan: Plan, length: int, device: torch.device,
+               tick: Callable[[int], None] = lambda n: None) -> dict[str, Any]:
+    """Loss per position bucket at ``length``, over --samples windows (``tick(length)``
+    after each)."""
     first = plan.args.first_bucket
     edges = buckets(length, first)
     total = torch.zeros(2, len(edges), dtype=torch.float64, device=device)  # sum, count
@@ -74,6 +78,7 @@ def ppl_length(model: torch.nn.Module, plan: Plan, length: int, device: torch.de
         _sum_over_ranks(part)
         total += part
         per_sample.append(float(part[0].sum() / length))
+        tick(length)
     sums, counts = total.tolist()
     rows = [{"lo": lo, "hi": hi, "tokens": int(c), "loss_nats": s / c,
              "bits_per_token": s / c / math.log(2)}
@@ -96,9 +101,10 @@ def key_stats(logits: torch.Tensor, labels: torch.Tensor, positions: torch.Tenso
     return torch.stack([logp.sum(), hits, at.sum().double()])
 
 
-def passkey_length(model: torch.nn.Module, plan: Plan, length: int, device: torch.device
-                   ) -> dict[str, Any]:
-    """Retrieval at each --depths, --samples seeded sequences each."""
+def passkey_length(model: torch.nn.Module, plan: Plan, length: int, device: torch.device,
+                   tick: Callable[[int], None] = lambda n: None) -> dict[str, Any]:
+    """Retrieval at each --depths, --samples seeded sequences each (``tick(length)``
+    after each sequence)."""
     rows = []
     for d, depth in enumerate(plan.depths):
         hits, logps, samples = 0, [], []
@@ -115,6 +121,7 @@ def passkey_length(model: torch.nn.Module, plan: Plan, length: int, device: torc
             logps.append(lp_sum / pk.answer_tokens)
             samples.append({"key": pk.key, "needle_at": pk.needle_at, "retrieved": ok,
                             "digit_logprob": lp_sum / pk.answer_tokens})
+            tick(length)
         rows.append({"depth": depth, "accuracy": hits / len(samples),
                      "digit_logprob": sum(logps) / len(logps), "samples": samples})
     return {"accuracy": sum(r["accuracy"] for r in rows) / len(rows), "depths": rows}
@@ -153,13 +160,17 @@ def evaluate(plan: Plan, topo: Topology) -> dict[str, Any]:
     record["timing"]["load_s"] = time.perf_counter() - t0
     run = ppl_length if plan.args.task == "ppl-by-position" else passkey_length
     _warm_up(model, plan, topo.device)
+    per_length = plan.args.samples * (len(plan.depths) if run is passkey_length else 1)
+    bar = Progress(f"eval {plan.args.task}", sum(plan.lengths) * per_length, "tokens",
+                   enabled=topo.is_first)
     for i, length in enumerate(plan.lengths):
         drills.maybe_inject(topo.rank, i + 1)  # HLA_SP_FAULT drills: ITER is the i-th length
         metrics.reset_peak_memory()
         dist.barrier()
         start = time.perf_counter()
+        tick = functools.partial(bar.advance, note=f"at {short(length)}")
         with torch.no_grad():
-            out = run(model, plan, length, topo.device)
+            out = run(model, plan, length, topo.device, tick)
         if topo.device.type == "cuda":
             torch.cuda.synchronize()
         dist.barrier()
@@ -176,7 +187,8 @@ def evaluate(plan: Plan, topo: Topology) -> dict[str, Any]:
         record["timing"]["total_s"] = time.perf_counter() - t0
         if topo.is_first:
             eval_report.write_json(plan, record)
-            metrics.say(eval_report.line(plan, out))
+            bar.say(eval_report.line(plan, out))
+    bar.close()
     if topo.is_first:
         for msg in eval_report.finish(plan, record):
             metrics.say(msg)

@@ -185,11 +185,11 @@ def prepare_output(args: argparse.Namespace) -> None:
 
 def _environment(argv: list[str], debug: bool) -> None:
     """What the workers inherit: the command for their record, threads, the allocator."""
+    from hla_sp.launch.allocator import set_worker_allocator
     from hla_sp.launch.errors import DEBUG_ENV
-    from hla_sp.launch.local import MALLOC_MMAP_THRESHOLD
 
     os.environ[COMMAND_ENV] = shlex.join(["hla-sp", "eval", *argv])
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", MALLOC_MMAP_THRESHOLD)
+    set_worker_allocator()
     # as hla-sp train (and torchrun) have it; more threads per rank pay only for a model
     # wide enough, and lose badly on a busy machine
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -13,7 +13,7 @@ whole tensors that any TP, CP or DP size saved, SHA-256-verified), converted by
                                   the tied output layer stored once
     DIR/generation_config.json    the end of document as eos (and bos, pad)
     DIR/tokenizer_config.json ... the run's tokenizer (bytes: HLASPByteTokenizer)
-    DIR/configuration_hla_sp.py   two-line modules importing the installed ``hla_sp.hf``
+    DIR/configuration_hla_sp.py   short modules importing the installed ``hla_sp.hf``
     DIR/modeling_hla_sp.py        (for ``trust_remote_code=True``: the code is the
     DIR/tokenization_hla_sp.py    package's, never a copy that could drift from it)
 
@@ -38,8 +38,10 @@ import os
 import shutil
 import sys
 import warnings
+from importlib.metadata import version
 
 import torch
+from hla_sp.launch.progress import Progress
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # the probe of --verify: its length (at most the learned positions) and its seed
@@ -63,6 +65,11 @@ CODE = {
     "modeling_hla_sp.py": ("hla_sp.hf.modeling", ["HLASPForCausalLM", "HLASPModel"]),
     "tokenization_hla_sp.py": ("hla_sp.hf.tokenization", ["HLASPByteTokenizer"]),
 }
+
+
+# what a machine without hla-sp reads on loading an export (docs/eval.md, "Anywhere else")
+MISSING = (f"this model's code is hla-sp's: pip install \"hla_sp-{version('hla-sp')}-py3-none-any"
+           f".whl[hf]\" (make wheel in an hla-sp checkout builds it; docs/eval.md)")
 
 
 class ExportError(RuntimeError):
@@ -143,10 +150,17 @@ def _write_code(out: str, byte_tokenizer: bool) -> None:
         if name.startswith("tokenization") and not byte_tokenizer:
             continue
         names = ", ".join(f'"{c}"' for c in classes)
+        # transformers' check_imports skips imports inside try: a machine without hla-sp
+        # then reads the except's one line on how to install it, not a list of packages
         with open(os.path.join(out, name), "w") as f:
             f.write('"""hla-sp for transformers (trust_remote_code=True): the classes of the '
-                    'installed\npackage (pip install "hla-sp[hf]"), not a copy of them."""\n\n'
-                    f"from {module} import {', '.join(classes)}\n\n__all__ = [{names}]\n")
+                    'installed\npackage, not a copy of them."""\n\ntry:\n'
+                    f"    from {module} import {', '.join(classes)}\n"
+                    "except ImportError as e:\n"
+                    f"    if e.name not in ({module!r}, 'hla_sp', 'hla_sp.hf'):\n"
+                    "        raise\n"
+                    f"    raise ImportError({MISSING!r}) from None\n\n"
+                    f"__all__ = [{names}]\n")
 
 
 def _probe(vocab: int, positions: int | None) -> torch.Tensor:
@@ -164,7 +178,10 @@ def write_export(args: argparse.Namespace, out: str) -> str:
     from hla_sp.launch.tokenizer import load_run_tokenizer
 
     dtype = DTYPES[args.dtype]
+    # stages: read the checkpoint, write the directory, (verify) load it back and compare
+    bar = Progress("export", 3 if args.verify else 2, "stages")
     model, cfg = load_model(args.load, args.ckpt_step, decodable=False)
+    bar.advance(note="writing the model directory")
     tok = load_run_tokenizer(cfg)
     # the model's vocabulary, not the tokenizer's when --vocab-size exceeded it: the ids
     # above the tokenizer's were trained (to improbability) and share the softmax
@@ -177,11 +194,13 @@ def write_export(args: argparse.Namespace, out: str) -> str:
     state = {k: v.to(dtype).contiguous() for k, v in state.items()}
     byte_tok = _save_files(out, hf_config, state, tok, args.dtype)
     del state
+    bar.advance(note="checking its logits")
     m = cfg.model
     summary = (f"{m.attention} GPT, {m.num_layers} layers x {m.hidden_size} hidden, "
                f"vocabulary {vocab} ({'bytes' if byte_tok else tok.name}), "
                f"{args.dtype}")
     if not args.verify:
+        bar.close()
         return summary
     # the reference: the checkpoint's model in fp32 on the weights as exported (rounded to
     # bf16 for --dtype bf16), so that the comparison is exact up to summation order
@@ -195,6 +214,8 @@ def write_export(args: argparse.Namespace, out: str) -> str:
         want = model(ids, torch.arange(ids.shape[1])[None], None)[0, :, :vocab]
     del model
     err = verify(out, ids, want)
+    bar.advance()
+    bar.close()
     return summary + f"; logits checked: max difference {err:.1e} of the largest"
 
 

@@ -19,7 +19,8 @@ from typing import Any
 from hla_sp.launch.errors import ConfigError
 
 __all__ = ["OneLineParser", "RaisingParser", "add_dataclass_flags", "expand_config",
-           "field_docs", "import_user_modules", "is_number", "nearest_flag", "one_line_error"]
+           "field_docs", "import_user_modules", "is_number", "nearest_flag", "one_line_error",
+           "plain"]
 
 
 def nearest_flag(word: str, flags: typing.Iterable[str]) -> str | None:
@@ -303,3 +304,10 @@ def import_user_modules(argv: list[str]) -> None:
         import_custom(custom_imports(argv))
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def plain(doc: str) -> str:
+    """A docstring as a terminal shows it: ``x`` and :mod:`x` as x (command helps)."""
+    import re
+
+    return re.sub(r":\w+:`([^`]*)`", r"\1", doc).replace("``", "")

@@ -211,7 +211,7 @@ def _is_oom(err: BaseException) -> bool:
 
 def _say_trained(cfg: TrainConfig, trainer: Trainer, records: list[dict[str, Any]]) -> None:
     """Rank 0's closing lines of a training run: the loss, the log and its plot, and how
-    to resume a run a signal stopped."""
+    to resume a run a signal stopped, or what to run next."""
     if records:
         metrics.say(
             f"done: loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} over "
@@ -224,6 +224,11 @@ def _say_trained(cfg: TrainConfig, trainer: Trainer, records: list[dict[str, Any
         metrics.say(metrics.plot_run(cfg.logging.log_jsonl))
     if trainer.stopped_by:
         metrics.say(_stopped_line(cfg, trainer))
+    elif records:
+        from hla_sp.launch.after_training import next_commands
+
+        for line in next_commands(cfg, trainer.iteration):
+            metrics.say(line)
 
 
 def _evaluation_line(cfg: TrainConfig, rec: dict[str, Any]) -> str:
