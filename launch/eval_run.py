@@ -31,7 +31,7 @@ warnings.filterwarnings("ignore", message=".*(Apex|apex|Transformer Engine|full 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from hla_sp.launch import drills, eval_report, faults, metrics  # noqa: E402
+from hla_sp.launch import drills, errors, eval_report, faults, metrics  # noqa: E402
 from hla_sp.launch.distributed import Topology, init_distributed, shutdown  # noqa: E402
 from hla_sp.launch.eval_tasks import bucket_of, buckets, passkey, short  # noqa: E402
 from hla_sp.launch.evaluate import Plan, build_parser, make_plan, prepare_output  # noqa: E402
@@ -225,9 +225,11 @@ def main(argv: list[str] | None = None) -> int:
         known = faults.known_error(err)
         if known is not None:
             faults.report_known(known, PROG)  # once for the run, by the launcher
-        else:  # the launcher prints the first failing rank's traceback once
+        elif errors.reporting():  # hla-sp eval's launcher prints one traceback for the run
             faults.report_failure(faults.global_rank(), int(os.environ.get("WORLD_SIZE", "1")),
                                   err, with_traceback=True, doing="evaluation")
+        else:
+            raise
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(2 if known is not None else 1)  # a broken group can hang in its teardown

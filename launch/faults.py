@@ -334,8 +334,7 @@ def report_failure(
     # first, before the traceback: formatting it reads source files, slow enough on a
     # loaded machine for torchrun's SIGTERM to land inside it and cut the report short
     _diagnosing = True
-    reports = os.environ.get(errors.REPORT_ENV)
-    to_launcher = bool(reports) and os.path.isdir(reports) and not errors.debug()
+    reports, to_launcher = os.environ.get(errors.REPORT_ENV, ""), errors.reporting()
     text = "".join(traceback.format_exception(err)) if with_traceback else ""
     chain = _chain(err)
     root = next((e for e in chain if isinstance(e, OSError) and e.errno == errno.ENOSPC),

@@ -249,6 +249,7 @@ class JsonlLog:
             self._f = None
 
 
-def say(msg: str, stream: TextIO = sys.stdout) -> None:
-    """Print and flush (torchrun pipes stdout; unflushed lines vanish on a crash)."""
-    print(msg, file=stream, flush=True)
+def say(msg: str, stream: TextIO | None = None) -> None:
+    """Print and flush (torchrun pipes stdout; unflushed lines vanish on a crash). The
+    default is the sys.stdout of the call, not of the import (a test's capture closes)."""
+    print(msg, file=stream if stream is not None else sys.stdout, flush=True)
