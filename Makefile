@@ -2,18 +2,23 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
-EXTRAS ?= dev,triton,megatron,ray,hf,eval
+EXTRAS ?= dev,triton,megatron,ray,hf,eval,tensorboard
 
-.PHONY: setup setup-megatron test test-slow lint demo demo-ops demo-1m demo-recall demo-python sample bench bench-sp bench-recall bench-lm bench-precision gpu-aot gpu-check gpu-quality clean
+.PHONY: setup setup-megatron wheel test test-slow lint demo demo-ops demo-1m demo-recall demo-python sample bench bench-sp bench-recall bench-lm bench-precision gpu-aot gpu-check gpu-quality gpu-wheels gpu-lease-dry clean
 
 $(STAMP): pyproject.toml requirements-cpu.txt
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --upgrade pip "setuptools>=77"
 	# The constraints file pins the CPU build of torch; pyproject leaves it open for GPU users.
 	$(PY) -m pip install -q -c requirements-cpu.txt -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# What a user installs on a machine without this checkout (docs/eval.md, "Anywhere else"):
+# dist/hla_sp-VERSION-py3-none-any.whl, pure Python, built offline with the venv's setuptools.
+wheel: $(STAMP)
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation --no-index -w dist .
 
 # Python 3.12 with the CUDA build of torch (runs on CPU) and megatron-core 0.17-0.19, one
 # directory each, for the tests that run Megatron's own pretrain() (tests/integration/test_megatron_pretrain.py).
@@ -95,13 +100,13 @@ demo-1m: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_ops.py --threads 1
 
-# Recall across context-parallel ranks: the pairs on rank 0, the queries on rank 3
-# (600 steps, about 20 min on 2 cores).
 # Sample 200 bytes from the demo's checkpoint (run make demo first).
 sample: $(STAMP)
 	$(PY) -m hla_sp.launch.cli generate --load runs/demo/ckpt --prompt "def " \
 	    --max-new-tokens 200 --temperature 0.8 --top-k 40
 
+# Recall across context-parallel ranks: the pairs on rank 0, the queries on rank 3
+# (600 steps, about 20 min on 2 cores).
 demo-recall: $(STAMP)
 	$(PY) -m hla_sp.launch.cli train --nproc-per-node 4 --context-parallel-size 4 \
 	    --data synthetic-recall --recall-pairs 4 --seq-length 64 --num-layers 2 \
@@ -147,6 +152,28 @@ bench-precision: $(STAMP)
 # python (a CUDA build of torch), as gpu-check does.
 gpu-quality:
 	$${PYTHON:-python} benchmarks/gpu_quality.py
+
+# Wheels for the GPU machine, which has no package registry: fla-core (the measured peer;
+# pure Python, and it needs einops and packaging besides torch and triton) and
+# megatron-core for Python 3.12, into the gitignored .whl/ (about 3.6 MB; carry `.whl`
+# with the device run). benchmarks/gpu_lease.sh installs them offline with --no-deps, so
+# nothing here pulls torch. Any pip does (downloads only): no venv is set up for it.
+GPU_WHEELS      ?= fla-core==0.6.0 einops==0.8.2 packaging==26.4
+GPU_MCORE       ?= 0.19.2
+GPU_PY_VERSION  ?= 3.12
+PIP_DOWNLOAD    := $${PYTHON:-python3} -m pip download -q --no-deps --only-binary=:all: -d .whl
+gpu-wheels:
+	mkdir -p .whl
+	$(PIP_DOWNLOAD) $(GPU_WHEELS)
+	$(PIP_DOWNLOAD) --python-version $(GPU_PY_VERSION) \
+	    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+	    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	    megatron-core==$(GPU_MCORE)
+	@ls -l .whl; du -sh .whl
+
+# The lease script's plumbing on CPU (tiny shapes, no GPU; tests/integration/test_gpu_lease.py runs it).
+gpu-lease-dry: $(STAMP)
+	OUT=runs/gpu_lease_dry PYTHON=$(PY) bash benchmarks/gpu_lease.sh --dry-run
 
 # On a CUDA machine: kernels against the reference, timings against SDPA and fla.
 gpu-check:

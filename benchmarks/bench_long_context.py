@@ -29,7 +29,7 @@ import sys
 import time
 from typing import Any
 
-from hla_sp.launch.distributed.local import MALLOC_MMAP_THRESHOLD, run_local
+from hla_sp.launch.distributed.local import run_local
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GIB = 2**30
@@ -47,8 +47,9 @@ def model_flags(hidden: int, layers: int, head_dim: int = 16) -> list[str]:
 
 # glibc raises its mmap threshold after large frees, so later large tensors come from the
 # heap and the resident set stays high after they are freed; a fixed threshold returns
-# every large tensor to the system when it is freed, and the peak RSS is the real peak.
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": MALLOC_MMAP_THRESHOLD}
+# every large tensor to the system when it is freed, and the peak RSS is the real peak
+# (hla-sp train's own policy, hla_sp.launch.distributed.allocator, keeps freed blocks for reuse).
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
 def measure(flags: list[str], nproc: int, iters: int, tag: str, tmp: str) -> dict[str, Any]:

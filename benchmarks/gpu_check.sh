@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check of the Triton kernels on one GPU (sized for an H200: under 8 minutes; the
 # timeouts below add up to 7.5).
-#   1. the kernel tests on CUDA (tests/test_kernels*.py run on the GPU when it exists);
+#   1. the kernel tests on CUDA (tests/unit/test_kernels*.py run on the GPU when it exists);
 #   2. benchmarks/bench_gpu.py: correctness in fp32 and bf16 against the fp64 torch
 #      path, then fwd+bwd timings of linear_attention, hla2, hla2_fused, flash SDPA and
 #      (if it imports) fla's chunk_simple_gla at B=1, H=16, K=V=128, T=8k/32k/128k;

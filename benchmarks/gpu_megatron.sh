@@ -4,20 +4,17 @@
 #
 #   bash benchmarks/gpu_megatron.sh            # from the repository root, on the GPU machine
 #   ITERS=20 SEQ=8192 LAYERS=8 HIDDEN=1024 bash benchmarks/gpu_megatron.sh
+#   ATTENTION=softmax SPEC="megatron_sdpa sdpa_layer_spec" bash benchmarks/gpu_megatron.sh
+#       (the same model with causal softmax attention on flash: benchmarks/megatron_sdpa.py)
+#   JSON=out.json ...   also writes tokens/s and MFU by the linear-attention-aware FLOP
+#       count (benchmarks/megatron_log.py); SITE_READY=1 skips the wheel install below
+#       (gpu_lease.sh has done it).
 #
 # megatron.training ships with megatron-core >= 0.17 (Python >= 3.12). A machine without
-# it gets it as a wheel: on a machine with pip access, in the repository root,
-#
-#   echo /.whl/ >> .git/info/exclude
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
-#       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-#       -d .whl megatron-core==0.19.0
-#
-# (plus any of its requirements the GPU image lacks: `unzip -p .whl/megatron_core-*.whl
-# '*/METADATA' | grep ^Requires-Dist`). Carry `.whl` to the machine; this script installs
-# every wheel it finds there into /tmp/site. Nothing is downloaded into the repository by
-# this script, and it needs no network.
+# it gets it as a wheel: `make gpu-wheels` (on a machine with pip access) downloads
+# megatron-core, fla-core and their small pure-Python requirements into .whl/
+# (gitignored); carry `.whl` to the machine; this script installs every wheel it finds
+# there into /tmp/site. Nothing is downloaded by this script, and it needs no network.
 set -euo pipefail
 
 ITERS=${ITERS:-20}
@@ -30,19 +27,30 @@ MBS=${MBS:-1}
 GBS=${GBS:-8}
 VOCAB=${VOCAB:-32000}
 ATTENTION=${ATTENTION:-hla2}
+SPEC=${SPEC:-}
 LOG=${LOG:-${OUT:-/tmp}/gpu_megatron.log}
+JSON=${JSON:-}
 
 cd "$(dirname "$0")/.."
 site=/tmp/site
 mkdir -p "$site"
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target "$site" .whl/*.whl
+if [ -z "${SITE_READY:-}" ]; then
+    if compgen -G ".whl/*.whl" >/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target "$site" .whl/*.whl
+    fi
+    # hla_sp itself (its package-dir mapping puts megatron_patch/ at hla_sp.megatron_patch).
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir \
+        --target "$site" . >/dev/null
 fi
-# hla_sp itself (its package-dir mapping puts megatron_patch/ at hla_sp.megatron_patch).
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir \
-    --target "$site" . >/dev/null
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+spec_args=()
+if [ -n "$SPEC" ]; then
+    read -r -a spec_args <<<"--spec $SPEC"
+    export PYTHONPATH="$PWD/benchmarks:$PYTHONPATH"   # the --spec module lives there
+fi
+hla_args=()
+[ "$ATTENTION" != softmax ] && hla_args=(--hla-decay learned --hla-chunk-size 64)
 
 python3 - <<'EOF'
 import importlib, sys
@@ -63,7 +71,7 @@ unset NVTE_FLASH_ATTN NVTE_FUSED_ATTN NVTE_UNFUSED_ATTN
 start=$(date +%s)
 set +e
 torchrun --standalone --nproc-per-node 1 -m hla_sp.megatron_patch.pretrain_gpt \
-    --attention "$ATTENTION" --hla-decay learned --hla-chunk-size 64 \
+    --attention "$ATTENTION" "${hla_args[@]}" "${spec_args[@]}" \
     --num-layers "$LAYERS" --hidden-size "$HIDDEN" --ffn-hidden-size $((4 * HIDDEN)) \
     --num-attention-heads "$HEADS" --group-query-attention --num-query-groups "$KV_GROUPS" \
     --seq-length "$SEQ" --max-position-embeddings "$SEQ" \
@@ -80,7 +88,8 @@ torchrun --standalone --nproc-per-node 1 -m hla_sp.megatron_patch.pretrain_gpt \
 rc=${PIPESTATUS[0]}
 set -e
 echo "wall: $(( $(date +%s) - start )) s, exit status $rc"
-grep -m1 "HLA attention in" "$LOG" || echo "no 'HLA attention in' line: the model check did not run"
+grep -m1 -e "HLA attention in" -e "softmax core attention:" "$LOG" \
+    || echo "no 'HLA attention in' line: the model check did not run"
 # Megatron logs one line per iteration: "... lm loss: X | ... elapsed time per iteration (ms): Y".
 awk -v seq="$SEQ" -v gbs="$GBS" '
     /elapsed time per iteration/ {
@@ -96,5 +105,10 @@ awk -v seq="$SEQ" -v gbs="$GBS" '
         if (n == 0) { print "no iteration lines in the log"; exit 1 }
         printf "iterations: %d, lm loss first %s last %s\n", n, first, loss
         if (k > 0) printf "mean time/iter (after 2 warm-up): %.1f ms, %.0f tokens/s\n", t / k, gbs * seq / (t / k / 1000)
-    }' "$LOG"
+    }' "$LOG" || { if [ "$rc" = 0 ]; then rc=1; fi; }
+if [ -n "$JSON" ]; then
+    python3 benchmarks/megatron_log.py --log "$LOG" --out "$JSON" --attention "$ATTENTION" \
+        --seq "$SEQ" --gbs "$GBS" --layers "$LAYERS" --hidden "$HIDDEN" --heads "$HEADS" \
+        --kv-groups "$KV_GROUPS" --vocab "$VOCAB" || { if [ "$rc" = 0 ]; then rc=1; fi; }
+fi
 exit "$rc"

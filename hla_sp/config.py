@@ -74,11 +74,15 @@ def hla_operator_names() -> tuple[str, ...]:
     return tuple(n for n, f in operator_facts().items() if f.higher_order)
 
 
+# names an operator may not take: the mixers that are not operators (--attention softmax)
+RESERVED = ("softmax",)
+
+
 def add_operator(name: str, facts: OperatorFacts) -> None:
     """Accept ``name`` as an operator (called by the operator table's ``register``)."""
-    if not isinstance(name, str) or not name or name in operator_facts():
+    if not isinstance(name, str) or not name or name in operator_facts() or name in RESERVED:
         raise ValueError(f"name: expected a new operator name, got {name!r} "
-                         f"(taken: {operator_names()})")
+                         f"(taken: {(*operator_names(), *RESERVED)})")
     own = {f.name for f in dataclasses.fields(HLAConfig)}
     unknown = [o for o in facts.options if o not in own]
     if unknown:

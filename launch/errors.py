@@ -43,6 +43,13 @@ def debug() -> bool:
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
+def reporting() -> bool:
+    """Whether this process is a worker whose launcher reads its reports (the report
+    directory exists and no tracebacks were asked for)."""
+    where = os.environ.get(REPORT_ENV)
+    return bool(where) and os.path.isdir(where) and not debug()
+
+
 def known_kinds() -> tuple[type[BaseException], ...]:
     """The errors whose message says everything (a flag, a checkpoint, a data file):
     reported in one line, without a traceback or a diagnosis of the peers."""

@@ -22,6 +22,18 @@ def attention_choices() -> tuple[str, ...]:
     return ("softmax", *hla_operator_names())
 
 
+def attention_name(name: str) -> str:
+    """``--attention``'s type: a first-order operator of the table is refused with why (the
+    choices check then names the valid ones for any other name)."""
+    facts = operator_facts().get(name)
+    if facts is not None and not facts.higher_order:
+        raise argparse.ArgumentTypeError(
+            f"{name!r} is a first-order operator (its OperatorSpec has higher_order=False), "
+            f"and the core-attention slot takes only higher-order ones: "
+            f"{', '.join(hla_operator_names())}")
+    return name
+
+
 def custom_imports(argv: Sequence[str]) -> list[str]:
     """The modules ``argv`` names with ``--custom-import MODULE`` (or ``=MODULE``), in
     order; read before any parser is built, since their operators decide the choices."""
@@ -46,6 +58,10 @@ def import_custom(modules: Sequence[str]) -> None:
     for name in modules:
         try:
             importlib.import_module(name)
+        except SystemExit as e:  # sys.exit() at import: not a silent end of the run
+            raise ValueError(f"--custom-import {name}: the module called sys.exit({e.code!r}) "
+                             f"while being imported; a module that registers operators "
+                             f"must not exit") from None
         except Exception as e:  # the user's code: whatever it raises, name the module
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise ValueError(f"--custom-import {name}: cannot import it "
@@ -70,7 +86,8 @@ def add_hla_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                          "add_hla_args must be called once, on a parser without them")
     g = parser.add_argument_group("HLA", "Higher-order linear attention (hla_sp)")
     hla = ", ".join(hla_operator_names())
-    g.add_argument("--attention", choices=attention_choices(), default="softmax",
+    g.add_argument("--attention", type=attention_name, choices=attention_choices(),
+                   default="softmax",
                    help=f"Core attention: softmax leaves Megatron as it is; {hla} put HLA in "
                         "the core-attention slot of every layer (an operator registered by a "
                         "--custom-import module too).")

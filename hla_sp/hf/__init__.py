@@ -1,4 +1,4 @@
-"""hla-sp models for Hugging Face ``transformers`` (``pip install hla-sp[hf]``).
+"""hla-sp models for Hugging Face ``transformers`` (elsewhere: ``make wheel``, docs/eval.md).
 
 ``import hla_sp.hf`` registers the ``hla_sp`` model type, so that a directory written by
 ``save_pretrained`` (or ``hla-sp export``) loads with ``AutoConfig`` and

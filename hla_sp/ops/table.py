@@ -351,7 +351,10 @@ def check_options(spec: OperatorSpec, given: Mapping[str, object]) -> dict[str, 
 
 
 def register(spec: OperatorSpec) -> None:
-    """Add ``spec`` to the table (and its name to ``hla_sp.config``'s choices)."""
+    """Add ``spec`` to the table (and its name to ``hla_sp.config``'s choices), once its
+    public function equals its ``reference`` on a small fp64 input
+    (:mod:`hla_sp.ops.self_check`; a ValueError otherwise, nothing registered). Names of
+    the built-in mixers (the operators, ``softmax``) are refused."""
     if not isinstance(spec, OperatorSpec):
         raise TypeError(f"spec: expected an OperatorSpec, got {type(spec).__name__}")
     unknown = [o for o in spec.options if o not in OPTIONS]
@@ -359,6 +362,13 @@ def register(spec: OperatorSpec) -> None:
         raise ValueError(f"spec.options: expected names among {tuple(OPTIONS)}, got {unknown}")
     add_operator(spec.name, spec.facts())  # refuses a name already taken
     TABLE[spec.name] = spec
+    from hla_sp.ops import self_check
+
+    try:
+        self_check.check(spec)  # its stages against its reference, fp64, a small input
+    except BaseException:
+        unregister(spec.name)
+        raise
 
 
 def unregister(name: str) -> None:

@@ -12,8 +12,13 @@ which fails if the name exists (``O_CREAT | O_EXCL`` where hard links are not
 supported), so a reader never sees half a lock and two runs never both get it. A holder
 on this host whose process is gone (killed, crashed) is taken over with a one-line
 warning; one on another host cannot be checked from here, so the refusal names
-``--break-save-lock``. Release (end of the run, an error, a signal; and at interpreter
-exit as a last resort) removes the file only while it is still this holder's.
+``--break-save-lock``, which never breaks a holder alive on this host (refused naming
+its pid). A lock that cannot be read as one (a directory, no permission, a dangling
+link, garbage) is refused in one line naming the file and what to do. Each save first
+checks that the lock is still this run's (:mod:`.lock_held`): a run whose lock was
+removed or taken stops before writing. Release (end of the run, an error, a signal;
+and at interpreter exit as a last resort) removes the file only while it is still this
+holder's.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import atexit
 import contextlib
 import errno
 import json
+import math
 import os
 import socket
 import sys
@@ -99,32 +105,74 @@ def describe(holder: dict[str, Any] | None) -> str:
     return f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}{job}, since {since}"
 
 
+class MalformedLock(SaveLockError):
+    """The lock file cannot be read as a lock (a directory, unreadable, a dangling
+    link, garbage); the message names the file and what to do."""
+
+
+def _malformed(path: str, what: str, remove: str = "delete it") -> MalformedLock:
+    return MalformedLock(f"{path}: {what}, not a lock this tool can read; if no run is using "
+                         f"this --save, {remove}, then start again")
+
+
+def _valid(rec: object) -> bool:
+    """A record as :meth:`SaveLock.record` writes it: host, pid, a finite start time."""
+    if not isinstance(rec, dict):
+        return False
+    started, pid = rec.get("started"), rec.get("pid")
+    return (isinstance(rec.get("host"), str) and isinstance(pid, int)
+            and not isinstance(pid, bool) and pid > 0
+            and isinstance(started, (int, float)) and math.isfinite(started))
+
+
 def _read(path: str) -> tuple[bytes, dict[str, Any] | None] | None:
-    """The lock file's bytes and its record (None if garbage); None if there is none."""
+    """The lock file's bytes and its record (None if garbage: readable bytes that are not
+    a lock record); None if there is none. A lock that cannot be read at all (a
+    directory, no permission, a dangling symbolic link) raises :class:`MalformedLock`."""
+    if os.path.islink(path) and not os.path.exists(path):
+        raise _malformed(path, f"a symbolic link to {os.readlink(path)}, which does not exist",
+                         "delete the link")
     try:
         with open(path, "rb") as f:
             raw = f.read()
     except FileNotFoundError:
         return None
+    except IsADirectoryError:
+        raise _malformed(path, "a directory", "remove it (rm -r)") from None
+    except PermissionError:
+        raise _malformed(path, "unreadable (permission denied)",
+                         "fix its permissions or delete it") from None
+    except OSError as e:
+        raise _malformed(path, f"unreadable ({e.strerror or e})") from None
     try:
         rec = json.loads(raw)
     except ValueError:
         return raw, None
-    return raw, rec if isinstance(rec, dict) else None
+    return raw, rec if _valid(rec) else None
 
 
-def _refusal(save: str, path: str, holder: dict[str, Any] | None) -> str | None:
-    """Why a run may not take ``save``'s lock now (None: the holder is gone)."""
+def _refusal(save: str, path: str, holder: dict[str, Any] | None,
+             break_lock: bool = False) -> str | None:
+    """Why a run may not take ``save``'s lock now (None: the holder is gone, or
+    ``break_lock`` breaks it). A holder alive on this host is never broken."""
     if holder is not None and holder.get("host") == socket.gethostname():
         if not _alive(holder):
             return None
+        if break_lock:
+            return (f"--save {save}: {BREAK_FLAG} refused: the lock's holder, pid "
+                    f"{holder['pid']} on this host, is still running ({describe(holder)}; "
+                    f"{path}); stop it first, or --save another directory")
         return (f"--save {save}: in use by another run ({describe(holder)}; {path}); wait "
                 f"for it to end or stop it, or --save another directory")
-    where = ("its record is unreadable" if holder is None
-             else f"held by {describe(holder)}")
-    return (f"--save {save}: in use by another run ({where}; {path}), on another host, so "
-            f"whether it still runs cannot be told from here; if it does not, pass "
-            f"{BREAK_FLAG} (or delete {path}), else --save another directory")
+    if break_lock:
+        return None
+    if holder is None:
+        return (f"{path}: not a lock record (the file is damaged or was not written by "
+                f"hla-sp); if no run is using --save {save}, delete it or pass {BREAK_FLAG}, "
+                f"else --save another directory")
+    return (f"--save {save}: in use by another run (held by {describe(holder)}; {path}), on "
+            f"another host, so whether it still runs cannot be told from here; if it does "
+            f"not, pass {BREAK_FLAG} (or delete {path}), else --save another directory")
 
 
 def check_save_lock(save: str | None, break_lock: bool = False) -> None:
@@ -132,7 +180,7 @@ def check_save_lock(save: str | None, break_lock: bool = False) -> None:
     or by one on another host, in one line naming it (:class:`SaveLockError`)."""
     import torch.distributed as dist
 
-    if save is None or break_lock:
+    if save is None:
         return
     # Inside a run's workers the lock may be this run's own: rank 0 can take it while a
     # slower rank (or one on another node) is still here. Those are left to rank 0's
@@ -147,7 +195,7 @@ def check_save_lock(save: str | None, break_lock: bool = False) -> None:
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if run_id and found[1] is not None and found[1].get("run") == run_id:
         return
-    why = _refusal(save, path, found[1])
+    why = _refusal(save, path, found[1], break_lock)
     if why:
         raise SaveLockError(why)
 
@@ -230,10 +278,12 @@ class SaveLock:
             if found is None:
                 continue  # released meanwhile
             raw, holder = found
-            why = _refusal(self.save, self.path, holder)
-            if why and not break_lock:
+            why = _refusal(self.save, self.path, holder, break_lock)
+            if why:
                 raise SaveLockError(why)
-            how = (f"broken by {BREAK_FLAG}" if why else "whose process is gone")
+            gone = (holder is not None and holder.get("host") == socket.gethostname()
+                    and not _alive(holder))
+            how = "whose process is gone" if gone else f"broken by {BREAK_FLAG}"
             print(f"[hla-sp] warning: --save {self.save}: taking over the lock of a run "
                   f"{how} ({describe(holder)})", file=sys.stderr, flush=True)
             self._remove_if(raw)

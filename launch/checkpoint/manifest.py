@@ -22,16 +22,24 @@ be faster, but SHA-256 is what ``sha256sum`` checks by hand, and a load verifies
 parallel: each rank digests a share of the files. Measured cost:
 ``benchmarks/bench_ckpt_verify.py`` (figures in docs/launch.md, "Checkpoints").
 
-Checkpoints written before the manifest load with a one-line warning.
+A checkpoint without a manifest is refused when its format always writes one
+(``common.pt`` records format 3 or later: the manifest was deleted or lost, and a resume
+would otherwise write a fresh manifest certifying whatever is there); one of format 2
+or the first format may predate manifests and loads with a one-line warning, as does
+any within :func:`unverified` (``hla-sp export --no-verify``). The manifest also
+records whether the checkpoint is finite and its iteration's loss.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
+import math
 import os
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -47,6 +55,9 @@ from hla_sp.launch.checkpoint.layout import (
 )
 
 MANIFEST = "manifest.json"
+# common.pt's "format" from which every save writes a manifest: a checkpoint of this
+# format or later without one lost it (refused); an older one may predate manifests
+FIRST_FORMAT_WITH_MANIFEST = 3
 ALGORITHM = "sha256"
 _BLOCK = 4 << 20
 _HINT = "resume from another iteration with --ckpt-step"
@@ -103,14 +114,21 @@ def _all_files(d: str) -> list[str]:
     return sorted(out)
 
 
-def write(d: str, iteration: int, entries: dict[str, dict[str, Any]], finite: bool) -> None:
+def write(d: str, iteration: int, entries: dict[str, dict[str, Any]], finite: bool,
+          loss: float | None = None) -> None:
     """Rank 0, after every rank's files and digests: write ``d/manifest.json``; files
     that no rank claimed are digested here. ``finite``: the run's last loss, gradient
-    norm and weights were finite (what ``--keep-last`` protects)."""
+    norm and every saved tensor were finite (what ``--keep-last`` protects, and what
+    every reader requires); ``loss``: the iteration's loss (the lowest-loss finite
+    checkpoint is kept as well)."""
+    from hla_sp.launch.checkpoint.operator_digest import digests
+
     entries = dict(entries)
     rest = [f for f in _all_files(d) if f.replace(os.sep, "/") not in entries and f != MANIFEST]
     entries.update(digest_files(d, rest))
     body = {"iteration": iteration, "algorithm": ALGORITHM, "finite": finite,
+            "loss": loss if loss is not None and math.isfinite(loss) else None,
+            "operators": digests(),
             "files": dict(sorted(entries.items()))}  # fmt: skip
     atomic_write_bytes(os.path.join(d, MANIFEST), json.dumps(body, indent=1).encode())
 
@@ -157,6 +175,93 @@ def newest_finite(root: str, at_most: int | None = None) -> int | None:
     return None
 
 
+def lowest_loss(root: str, at_most: int | None = None) -> tuple[int, float] | None:
+    """(iteration, loss) of the finite checkpoint under ``root`` (at ``at_most`` or
+    before) with the lowest recorded loss; None when none records one. What a diverging
+    run goes back to: ``--keep-last`` keeps it."""
+    best: tuple[int, float] | None = None
+    for it in complete_iterations(root):
+        if at_most is not None and it > at_most:
+            continue
+        try:
+            body = read(iter_dir(root, it))
+        except CheckpointError:
+            continue
+        loss = body.get("loss") if body is not None and body.get("finite") else None
+        if isinstance(loss, (int, float)) and (best is None or loss <= best[1]):
+            best = (it, float(loss))
+    return best
+
+
+def mark_non_finite(d: str, why: str) -> None:
+    """Record checkpoint ``d`` as non-finite after the fact (``why``: what was found);
+    the files' digests are unchanged. A manifest that cannot be rewritten (a read-only
+    --load) is left as it is."""
+    with contextlib.suppress(CheckpointError, OSError):
+        body = read(d)
+        if body is not None and body.get("finite") is not False:
+            body.update(finite=False, non_finite=why)
+            atomic_write_bytes(os.path.join(d, MANIFEST), json.dumps(body, indent=1).encode())
+
+
+def refuse_non_finite(root: str, d: str, iteration: int) -> None:
+    """Raise :class:`CheckpointError` in one line when checkpoint ``d`` (iteration
+    ``iteration`` under ``root``) is recorded non-finite, naming the newest finite one;
+    warn in one line for each registered operator whose source changed since the save.
+    Every reader (a resume, generate, eval, export) calls it, after :func:`verify`."""
+    try:
+        body = read(d)
+    except CheckpointError:
+        return  # verify() reports a bad manifest
+    if body is None:
+        return
+    from hla_sp.launch.checkpoint.operator_digest import changed
+
+    for line in changed(body.get("operators")):
+        warn_once(f"{d}: {line}")
+    if body.get("finite") is not False:
+        return
+    why = body.get("non_finite") or ("its loss, gradient norm or saved tensors were NaN or "
+                                     "infinite when it was saved")
+    good = newest_finite(root)
+    then = (f"the newest finite checkpoint is iteration {good}: pass --ckpt-step {good}"
+            if good is not None else f"{root} holds no finite checkpoint")
+    raise CheckpointError(f"{d}: recorded non-finite ({why}); refusing to read it; {then}")
+
+
+_unverified = False
+
+
+@contextlib.contextmanager
+def unverified() -> Iterator[None]:
+    """Within the block, a checkpoint whose manifest.json is missing loads with a warning
+    (``hla-sp export --no-verify``) instead of being refused."""
+    global _unverified
+    before, _unverified = _unverified, True
+    try:
+        yield
+    finally:
+        _unverified = before
+
+
+def predates_manifests(d: str) -> str | None:
+    """Why checkpoint ``d`` may have been written before manifests existed (its
+    ``common.pt`` records format 2, or it is of the first format), or None when its format
+    always writes one (3 and later: a missing manifest was deleted or lost)."""
+    from hla_sp.launch.checkpoint.layout import LEGACY_MODEL, read_torch_file
+
+    common = os.path.join(d, COMMON)
+    if not os.path.isfile(common):
+        return ("it is of the first format (model_optim_tpNN.pt), older than manifests"
+                if os.path.isfile(os.path.join(d, LEGACY_MODEL)) else None)
+    fmt = read_torch_file(common, "iteration, data position, scheduler and optimizer "
+                                  "settings").get("format")
+    if isinstance(fmt, int) and fmt < FIRST_FORMAT_WITH_MANIFEST:
+        return (f"common.pt records format {fmt}; manifests came with format "
+                f"{FIRST_FORMAT_WITH_MANIFEST}")
+    return None
+
+
 def _check(d: str, name: str, want: dict[str, Any], algorithm: str, where: str) -> str | None:
     """Why ``d/name`` does not match its manifest entry, or None."""
     path = os.path.join(d, name)
@@ -180,15 +285,23 @@ def verify(d: str, iteration: int) -> None:
     bad file. Collective when a process group of several ranks exists: each rank
     digests a share of the files and every rank raises the same error (a rank that
     went on into DCP's collective load alone would hang). A checkpoint without a
-    manifest (written before it existed) loads, with a one-line warning."""
+    manifest is refused, unless its format predates manifests
+    (:func:`predates_manifests`) or within :func:`unverified`: then it loads with a
+    one-line warning."""
     group = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     rank, world = (dist.get_rank(), dist.get_world_size()) if group else (0, 1)
     problem: str | None = None
     try:
         body = read(d)
-        if body is None:
-            warn_once(f"{d}: no {MANIFEST} (a checkpoint written before files were "
-                      f"digested); loading it unverified")
+        old = predates_manifests(d) if body is None else None
+        if body is None and (old is not None or _unverified):
+            how = f"written before files were digested: {old}" if old else "--no-verify"
+            warn_once(f"{d}: no {MANIFEST} ({how}); loading it unverified")
+        elif body is None:
+            problem = (f"{d}: no {MANIFEST}, though its format always writes one (common.pt "
+                       f"records format {FIRST_FORMAT_WITH_MANIFEST} or later): it was deleted "
+                       f"or lost, so its files cannot be verified; restore it, or {_HINT} "
+                       f"(hla-sp export --no-verify reads it unverified)")
         elif body["iteration"] != iteration:
             problem = (f"{os.path.join(d, MANIFEST)}: records iteration {body['iteration']}, "
                        f"expected {iteration} (the directory's); the file is from another "

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import glob
 import os
-import shlex
 import shutil
 from typing import Any
 
@@ -21,8 +20,8 @@ from hla_sp.launch.checkpoint.layout import (
     resume_iteration,
 )
 from hla_sp.launch.checkpoint.lock import check_save_lock
+from hla_sp.launch.checkpoint.next_steps import train_further
 from hla_sp.launch.checkpoint.run_config import saved_config
-from hla_sp.launch.distributed import signals
 from hla_sp.launch.errors import ConfigError
 
 
@@ -208,37 +207,19 @@ def check_resume_schedule(cfg: Any) -> None:
             "(Megatron's flags)")
 
 
-def nothing_to_do(cfg: Any, argv: list[str] | None = None) -> str | None:
+def nothing_to_do(cfg: Any) -> str | None:
     """The line for a resume that has nothing left to train (the checkpoint in --load is
-    at or past --train-iters), with a command that trains further as printed; None when
-    there is training to do. ``argv``: the user's command (default: this run's).
+    at or past --train-iters), ending with the flags that train further
+    (:func:`hla_sp.launch.checkpoint.next_steps.train_further`); None when there is
+    training to do."""
 
-    Raising --train-iters alone lengthens the decay when it defaults to --train-iters,
-    which :func:`check_resume_schedule` refuses; then the command also keeps the
-    checkpoint's schedule (--use-checkpoint-opt_param-scheduler), so that the new
-    iterations continue at --min-lr instead of jumping back up a longer decay.
-    """
     if getattr(cfg.evaluation, "skip_train", False) or cfg.checkpoint.load is None:
         return None
     resume = resume_iteration(cfg.checkpoint.load, cfg.checkpoint.ckpt_step)
     if resume is None or resume < cfg.optimizer.train_iters:
         return None
-    more = resume + cfg.optimizer.train_iters
-    changes: dict[str, list[str]] = {"--train-iters": [str(more)]}
-    saved = saved_config(cfg.checkpoint.load, resume)
-    now = cfg.replace(train_iters=more).to_dict()
-    if (saved is not None and schedule_diff(saved, now)
-            and not cfg.checkpoint.override_opt_param_scheduler
-            and not cfg.checkpoint.use_checkpoint_opt_param_scheduler):
-        changes["--use-checkpoint-opt_param-scheduler"] = []
-    cmd = shlex.join(signals.edit_command(argv if argv is not None else signals.own_command(),
-                                          set_values=changes))
-    keep = ("; --use-checkpoint-opt_param-scheduler keeps the checkpoint's learning-rate "
-            "schedule, so the new iterations run at --min-lr (--override-opt_param-scheduler "
-            "instead decays over the new --train-iters)"
-            if "--use-checkpoint-opt_param-scheduler" in changes else "")
-    return (f"nothing to do: the checkpoint in {cfg.checkpoint.load} is at iteration {resume}, and "
-            f"--train-iters is {cfg.optimizer.train_iters}; to train further: {cmd}{keep}")
+    return (f"nothing to do: the checkpoint in {cfg.checkpoint.load} is at iteration {resume}, "
+            f"and --train-iters is {cfg.optimizer.train_iters}; {train_further(cfg, resume)}")
 
 
 def check_resume_layout(cfg: Any) -> None:

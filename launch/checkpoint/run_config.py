@@ -180,8 +180,8 @@ def load_run_config(load: str, step: int | None = None) -> tuple[Any, int]:
     """The :class:`~hla_sp.launch.config.train_config.TrainConfig` of the checkpoint
     under ``load`` (its latest iteration, or ``step``), with the modules its run named by
     --custom-import imported again (they register its operator); (config, iteration).
-    What generate, export and eval read first. Raises ConfigError (or CheckpointError)
-    in one line."""
+    What generate, export and eval read first. Raises ConfigError (or CheckpointError: a
+    checkpoint recorded non-finite) in one line."""
     from hla_sp.launch.checkpoint.layout import LATEST, checkpoint_dir, latest_iteration
     from hla_sp.launch.config.train_config import TrainConfig, flat_config
 
@@ -201,6 +201,9 @@ def load_run_config(load: str, step: int | None = None) -> tuple[Any, int]:
         import_custom((flat_config(saved).get("hla") or {}).get("custom_import") or [])
     except ValueError as e:
         raise ConfigError(f"{where}: the run's {e}") from None
+    from hla_sp.launch.checkpoint.manifest import refuse_non_finite
+
+    refuse_non_finite(load, where, it)  # before any reader builds a model for it
     try:
         return TrainConfig.from_dict(saved), it
     except (ConfigError, TypeError) as e:

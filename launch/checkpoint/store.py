@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from hla_sp.launch.checkpoint import legacy, manifest, sharded
+from hla_sp.launch.checkpoint import legacy, lock_held, manifest, sharded
 from hla_sp.launch.checkpoint.layout import (
     COMMON,
     CONFIG,
@@ -36,10 +36,12 @@ from hla_sp.launch.checkpoint.layout import (
     remove_leftovers,
 )
 from hla_sp.launch.checkpoint.rng import restore_rng, rng_state
-from hla_sp.launch.distributed import faults
+from hla_sp.launch.distributed import drills, faults
 from hla_sp.launch.distributed.dist_optimizer import half_dtype
 
-FORMAT = 2  # 1: one torch.save file per TP rank (read by .legacy); 2: DCP
+# 1: one torch.save file per TP rank (read by .legacy); 2: DCP; 3: DCP, and a manifest
+# is always written (a format-3 checkpoint without one lost it: refused, see .manifest)
+FORMAT = manifest.FIRST_FORMAT_WITH_MANIFEST
 _COMMON_KEYS = ("format", "iteration", "consumed_samples", "scheduler", "optimizer",
                 "masters", "layout", "extra")  # fmt: skip
 
@@ -67,6 +69,7 @@ def save(
     keep_last: int | None = None,
     finite: bool = True,
     loaded: int | None = None,
+    loss: float | None = None,
 ) -> str:
     """Write a checkpoint collectively (every rank calls it); return its directory.
 
@@ -80,31 +83,34 @@ def save(
     ``keep_last`` N, older checkpoints beyond the newest N are deleted once this one
     is the latest, except the newest one recorded as ``finite`` (the run's loss,
     gradient norm and weights were finite when it was saved) and ``loaded`` (the
-    iteration this run resumed from, when it resumed from ``root``): a run that went
-    non-finite must leave a checkpoint to go back to. Every file's size and SHA-256
-    go into ``manifest.json`` (:mod:`.manifest`), which a load verifies.
+    iteration this run resumed from, when it resumed from ``root``) and the finite one
+    of the lowest recorded ``loss`` (the iteration's): a run that went non-finite, or
+    diverged for a while before, must leave a checkpoint to go back to. Every file's
+    size and SHA-256 go into ``manifest.json`` (:mod:`.manifest`), which a load
+    verifies.
     """
     del tp_rank  # the pieces carry their place: no per-TP-rank file any more
     with faults.saving(iteration):
         return _save(root, iteration, rank, world_size, writes_model, model, optimizer,
                      scheduler, consumed_samples, config, dict(extra or {}), keep_last,
-                     finite, loaded)
+                     finite, loaded, loss)
 
 
 def _save(
     root: str, iteration: int, rank: int, world_size: int, writes_model: bool,
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
     consumed_samples: int, config: dict[str, Any], extra: dict[str, Any],
-    keep_last: int | None, finite: bool, loaded: int | None,
+    keep_last: int | None, finite: bool, loaded: int | None, loss: float | None,
 ) -> str:
     final = iter_dir(root, iteration)
     tmp = final + ".tmp"
+    lock_held.check_held(root, iteration, rank)  # never write into a --save another run took
     if rank == 0:
         os.makedirs(root, exist_ok=True)
         remove_leftovers(root)  # of crashed saves, at any iteration (this one included)
         os.makedirs(tmp)
     dist.barrier()
-    faults.maybe_inject(rank, iteration, phase="save")
+    drills.maybe_inject(rank, iteration, phase="save")
     masters = extra.pop("main_params", None)
     described = sharded.describe_model(model, writes_model)
     half = half_dtype(model)
@@ -141,7 +147,7 @@ def _save(
         gathered = [mine]
     if rank == 0:
         manifest.write(tmp, iteration, {k: v for g in gathered for k, v in (g or {}).items()},
-                       finite)
+                       finite, loss)
         old = final + OLD
         if os.path.isdir(final):
             # re-saving an iteration: move the old copy aside, never delete it first, so
@@ -153,7 +159,8 @@ def _save(
         fsync_dir(root)
         shutil.rmtree(old, ignore_errors=True)
         if keep_last is not None:
-            keep = {manifest.newest_finite(root), loaded} - {None}
+            best = manifest.lowest_loss(root)
+            keep = {manifest.newest_finite(root), loaded, best and best[0]} - {None}
             prune(root, iteration, keep_last, keep=keep)  # type: ignore[arg-type]
     dist.barrier()
     return final
@@ -182,6 +189,7 @@ def load(
     if not os.path.isdir(d):
         raise FileNotFoundError(f"--load {root}: no complete checkpoint {d}")
     manifest.verify(d, it)  # every file, before any is read (collective)
+    manifest.refuse_non_finite(root, d, it)
     if not os.path.isfile(os.path.join(d, COMMON)) and os.path.isfile(
             os.path.join(d, LEGACY_MODEL)):
         return legacy.load(d, rank=rank, world_size=world_size, tp_rank=tp_rank,
@@ -230,6 +238,7 @@ def load_weights(root: str, iteration: int, model: torch.nn.Module) -> None:
     collective when the process group has several ranks."""
     d = checkpoint_dir(root, iteration)
     manifest.verify(d, iteration)
+    manifest.refuse_non_finite(root, d, iteration)
     if not os.path.isfile(os.path.join(d, COMMON)) and os.path.isfile(
             os.path.join(d, LEGACY_MODEL)):
         tp, _ = sharded.parallel_sizes()

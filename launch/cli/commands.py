@@ -34,7 +34,7 @@ from hla_sp.launch.checks import validate
 from hla_sp.launch.config.train_config import ConfigError, TrainConfig, build_parser, parse_args
 from hla_sp.launch.data.datasets import BYTE_VOCAB, DatasetError
 from hla_sp.launch.data.make_dataset import main as make_main
-from hla_sp.launch.distributed.local import MALLOC_MMAP_THRESHOLD
+from hla_sp.launch.distributed.allocator import set_worker_allocator
 from hla_sp.launch.distributed.signals import COMMAND_ENV
 from hla_sp.launch.errors import DEBUG_ENV, debug
 from hla_sp.launch.eval.command import main as eval_main
@@ -175,7 +175,7 @@ def _train(argv: list[str]) -> int:
             # the checkpoint checks here too, before torchrun starts: one line, not one per
             # rank followed by torchrun's failure summary
             preflight(cfg)
-            done = nothing_to_do(cfg, ["hla-sp", "train", *argv])
+            done = nothing_to_do(cfg)
         cmd = torchrun_command(launch, rest)
         if launch.dry_run:
             vocab, device = planned_vocab(cfg), planned_device_memory(launch.device_memory)
@@ -196,12 +196,10 @@ def _train(argv: list[str]) -> int:
         print(" ".join(cmd))
         return 0
     sys.stdout.flush()
-    # see hla_sp.launch.distributed.local: keeps CPU memory from creeping up (workers inherit it)
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", MALLOC_MMAP_THRESHOLD)
+    set_worker_allocator()  # glibc's thresholds for the workers, unless the user chose
     # torchrun sets 1 for its workers anyway when unset, with a four-line warning saying so
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # the resume line after a signal quotes the user's own command
-
     os.environ[COMMAND_ENV] = shlex.join(["hla-sp", "train", *argv])
     if cfg.checkpoint.exit_signal_handler:  # torchrun's wait for its workers before SIGKILL (30 s)
         os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")
@@ -214,7 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     usage = ("usage: hla-sp {train,sweep,make-dataset,generate,export,eval} ... "
              "(hla-sp COMMAND --help for each)")
     if not argv or argv[0] in ("-h", "--help"):
-        print(usage + "\n\n" + (__doc__ or ""))
+        from hla_sp.launch.config.flags import plain
+
+        print(usage + "\n\n" + plain(__doc__ or ""))
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "train":

@@ -21,7 +21,8 @@ from hla_sp.launch.errors import ConfigError
 from hla_sp.megatron_patch.args import custom_imports, import_custom
 
 __all__ = ["OneLineParser", "RaisingParser", "add_dataclass_flags", "expand_config",
-           "field_docs", "import_user_modules", "is_number", "nearest_flag", "one_line_error"]
+           "field_docs", "import_user_modules", "is_number", "nearest_flag", "one_line_error",
+           "plain"]
 
 
 def nearest_flag(word: str, flags: typing.Iterable[str]) -> str | None:
@@ -148,6 +149,10 @@ def _toml_values(path: str, parser: argparse.ArgumentParser) -> dict[str, tuple[
     items: list[tuple[str, str, Any]] = []  # (where, key, value)
     for k, v in data.items():  # tables group keys; their keys are flags like the rest
         if isinstance(v, dict):
+            inner = next((kk for kk, vv in v.items() if isinstance(vv, dict)), None)
+            if inner is not None:  # [model.inner]: not a key of any flag
+                raise ConfigError(f"--config {path}: [{k}.{inner}]: tables nest one level "
+                                  f"([{k}] holds flags, not tables); put its keys in [{k}]")
             items += [(f"[{k}]", kk, vv) for kk, vv in v.items()]
         else:
             items.append(("the top level", k, v))
@@ -201,6 +206,15 @@ def _toml_tokens(path: str, values: dict[str, tuple[str, Any]],
     for dest, (key, value) in values.items():
         action = flags[dest]
         flag = action.option_strings[0]
+        switch = action.nargs == 0  # store_true, or a --x / --no-x pair
+        if switch and not isinstance(value, bool):
+            raise ConfigError(f"--config {path}: {key}: expected true or false, got {value!r}")
+        if not switch and isinstance(value, bool):
+            raise ConfigError(f"--config {path}: {key}: expected a value "
+                              f"({_type_name(action)}), got {str(value).lower()}")
+        if action.type in (int, float) and isinstance(value, str):
+            raise ConfigError(f"--config {path}: {key}: expected {_type_name(action)}, got "
+                              f"the string {value!r}; write it without quotes")
         if isinstance(value, bool):
             if isinstance(action, argparse._StoreTrueAction):
                 out += [flag] if value else []
@@ -229,6 +243,12 @@ def _toml_tokens(path: str, values: dict[str, tuple[str, Any]],
     except (ConfigError, SystemExit) as e:
         raise ConfigError(f"--config {path}: {e}") from None
     return out
+
+
+def _type_name(action: argparse.Action) -> str:
+    """What a flag's value is, in words (``an integer``)."""
+    return {int: "an integer", float: "a number", str: "a string"}.get(
+        action.type, getattr(action.type, "__name__", "a value"))  # type: ignore[arg-type]
 
 
 def is_number(text: str) -> bool:
@@ -282,3 +302,10 @@ def import_user_modules(argv: list[str]) -> None:
         import_custom(custom_imports(argv))
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def plain(doc: str) -> str:
+    """A docstring as a terminal shows it: ``x`` and :mod:`x` as x (command helps)."""
+    import re
+
+    return re.sub(r":\w+:`([^`]*)`", r"\1", doc).replace("``", "")

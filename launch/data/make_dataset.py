@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
-from hla_sp.launch.config.flags import OneLineParser
+from hla_sp.launch.config.flags import OneLineParser, plain
 from hla_sp.launch.data.datasets import EOD
 from hla_sp.launch.data.tokenizer import (
     BYTES,
@@ -32,6 +32,7 @@ from hla_sp.launch.data.tokenizer import (
     sidecar_path,
     write_sidecar,
 )
+from hla_sp.launch.progress import Progress
 
 
 def iter_files(inputs: list[str], suffixes: list[str] | None) -> Iterator[str]:
@@ -77,19 +78,24 @@ def make_dataset(
     split_lines: bool = False,
     suffixes: list[str] | None = None,
     tokenizer: str | RunTokenizer | None = None,
+    show_progress: bool = False,
 ) -> dict[str, int]:
     """Write the dataset and its tokenizer record; return counts. The pair appears only
-    once both files are complete; the record is in place before it."""
+    once both files are complete; the record is in place before it. ``show_progress``:
+    bytes read of the inputs' total, with an ETA, on stderr."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     tok = tokenizer if isinstance(tokenizer, RunTokenizer) else load_tokenizer(tokenizer)
     dtype = token_dtype(tok.vocab_size)
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     tmp = f"{output_prefix}.tmp{os.getpid()}"
+    paths = list(iter_files(inputs, suffixes))  # a missing input: before anything is written
     builder = IndexedDatasetBuilder(tmp + ".bin", dtype=dtype)
     docs = tokens = files = 0
+    bar = Progress("make-dataset", sum(os.path.getsize(p) for p in paths), "bytes",
+                   enabled=show_progress)
     try:
-        for path in iter_files(inputs, suffixes):
+        for path in paths:
             with open(path, "rb") as f:
                 raw = f.read()
             files += 1
@@ -104,6 +110,8 @@ def make_dataset(
                 builder.end_document()
                 docs += 1
                 tokens += len(ids)
+            bar.advance(len(raw))
+        bar.close()
         builder.finalize(tmp + ".idx")
     except BaseException:
         for leftover in (tmp + ".bin", tmp + ".idx"):
@@ -121,7 +129,7 @@ def make_dataset(
 
 def build_parser() -> OneLineParser:
     p = OneLineParser(prog="hla-sp make-dataset", allow_abbrev=False,
-                      description=__doc__.split("\n")[0])
+                      description=plain(__doc__.split("\n")[0]))
     p.add_argument("--input", nargs="+", required=True, help="Text files or directories.")
     p.add_argument("--output-prefix", required=True,
                    help="Writes PREFIX.bin, PREFIX.idx and PREFIX.json (the tokenizer).")
@@ -141,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     try:
         tok = load_tokenizer(a.tokenizer)  # before any file is read or written
-        counts = make_dataset(a.input, a.output_prefix, a.split_lines, a.suffix, tok)
+        counts = make_dataset(a.input, a.output_prefix, a.split_lines, a.suffix, tok,
+                              show_progress=True)
         if counts["documents"] == 0:
             raise FileNotFoundError("--input: no documents found")
     except (FileNotFoundError, TokenizerError) as e:

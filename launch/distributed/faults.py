@@ -8,10 +8,8 @@ and names the ranks whose beat stopped (dead), or that lag or sit outside the co
 the others wait in (stuck), then exits non-zero. Under torchrun the store lives in the
 elastic agent, so it outlives any worker.
 
-Fault injection for tests and drills: ``HLA_SP_FAULT=RANK:ITER:KIND`` makes rank RANK,
-at the start of iteration ITER, ``kill`` itself (SIGKILL), ``hang`` (sleep forever), or
-``raise`` an error; ``KIND@save`` does it while saving iteration ITER's checkpoint
-instead (after every rank has entered the save).
+Fault injection for tests and drills (``HLA_SP_FAULT``):
+:mod:`hla_sp.launch.distributed.drills`.
 """
 
 from __future__ import annotations
@@ -320,46 +318,40 @@ def report_known(err: BaseException, prefix: str = "hla-sp train") -> None:
 
 def report_failure(
     rank: int, world_size: int, err: BaseException, with_traceback: bool = False,
-    advice: str | None = None,
+    advice: str | None = None, doing: str = "training",
 ) -> str:
     """Say why this rank stopped (``err``'s traceback first if ``with_traceback``), the
-    root cause first, then ``advice`` if given; return the last line.
+    root cause first, then ``advice`` if given; return the last line. ``doing`` names the
+    work ("training"; "evaluation" has no iterations to place the failure in).
 
     Only an error that came out of a collective can be a peer's fault: then the
     heartbeats say which peer died, failed or hangs (the "diagnosis" line). An error of
     this rank's own (bad data, a checkpoint, a full disk, NaN) is published to the store
-    so that the peers, which see only a broken collective, can name it.
-
-    Under ``hla-sp train`` (:data:`errors.REPORT_ENV` set, no ``HLA_SP_DEBUG``) the lines
-    and the traceback go to the launcher's report directory instead of stderr: the
-    launcher prints the first failing rank's traceback once and one summary line, not
-    one traceback per rank.
+    so that the peers, which see only a broken collective, can name it. Under ``hla-sp
+    train`` (:data:`errors.REPORT_ENV`, no ``HLA_SP_DEBUG``) it all goes to the launcher,
+    which prints the first failing rank's traceback once and one summary line.
     """
     global _diagnosing
     # first, before the traceback: formatting it reads source files, slow enough on a
     # loaded machine for torchrun's SIGTERM to land inside it and cut the report short
     _diagnosing = True
-    where_reports = os.environ.get(errors.REPORT_ENV)
-    to_launcher = bool(where_reports) and os.path.isdir(where_reports) and not errors.debug()
-    if with_traceback and not to_launcher:
-        traceback.print_exception(err, file=sys.stderr)
+    reports, to_launcher = os.environ.get(errors.REPORT_ENV, ""), errors.reporting()
+    text = "".join(traceback.format_exception(err)) if with_traceback else ""
     chain = _chain(err)
     root = next((e for e in chain if isinstance(e, OSError) and e.errno == errno.ENOSPC),
                 chain[-1])
     it, since = _progress
-    elapsed = time.monotonic() - since
     saving = next((e.hla_sp_saving for e in chain if hasattr(e, "hla_sp_saving")), _saving)
     if saving is not None:  # the step is done; the failure came in the checkpoint's write
         where = f"while saving iteration {saving}"
     else:
-        where = f"{elapsed:.1f} s into iteration {it + 1}"
-    lines = [f"[hla-sp] rank {rank}/{world_size}: training stopped by {_describe(root)} "
-             f"({where})"]
-    if root is not err:
-        lines.append(f"[hla-sp] rank {rank}: raised as {_describe(err)}")
-    if not to_launcher:
-        for line in lines:
-            print(line, file=sys.stderr, flush=True)
+        where = (f"{time.monotonic() - since:.1f} s into iteration {it + 1}"
+                 if doing == "training" else f"during {doing}")
+    lines = [f"[hla-sp] rank {rank}/{world_size}: {doing} stopped by {_describe(root)} "
+             f"({where})"] + ([f"[hla-sp] rank {rank}: raised as {_describe(err)}"]
+                              if root is not err else [])
+    if not to_launcher:  # before the diagnosis, which may be cut short by a SIGTERM
+        _say(text, lines)
     collective = _is_collective_error(chain)
     store = _store()
     if store is not None:
@@ -378,36 +370,16 @@ def report_failure(
         )
     tail = [msg] + ([f"[hla-sp] rank {rank}: {advice}"] if advice else [])
     if to_launcher:
-        text = "".join(traceback.format_exception(err)) if with_traceback else ""
-        if errors.write_failure(where_reports, errors.Failure(
+        if errors.write_failure(reports, errors.Failure(
                 rank=rank, world_size=world_size, own=not collective, error=_describe(root),
                 where=where, lines=lines + tail, traceback=text)):
             return tail[-1]
-        if text:  # no report directory after all: say it here
-            sys.stderr.write(text)
-        for line in lines:
-            print(line, file=sys.stderr, flush=True)
-    for line in tail:
-        print(line, file=sys.stderr, flush=True)
+        _say(text, lines)  # no report directory after all: say it here
+    _say("", tail)
     return tail[-1]
 
 
-def maybe_inject(rank: int, iteration: int, phase: str = "step") -> None:
-    """Apply ``HLA_SP_FAULT`` if it names this rank, iteration and phase ("step": the
-    start of the iteration; "save": inside its checkpoint's save, with ``KIND@save``)."""
-    spec = os.environ.get("HLA_SP_FAULT")
-    if not spec:
-        return
-    r, it, kind = spec.split(":")
-    kind, _, where = kind.partition("@")
-    if int(r) != rank or int(it) != iteration or (where or "step") != phase:
-        return
-    if kind == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    elif kind == "hang":
-        while True:
-            time.sleep(3600)
-    elif kind == "raise":
-        raise RuntimeError(f"HLA_SP_FAULT: injected error on rank {rank} at iteration {iteration}")
-    else:
-        raise ValueError(f"HLA_SP_FAULT kind must be kill, hang or raise, got {kind!r}")
+def _say(text: str, lines: list[str]) -> None:
+    sys.stderr.write(text)
+    for line in lines:
+        print(line, file=sys.stderr, flush=True)

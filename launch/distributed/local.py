@@ -15,11 +15,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-# glibc raises its mmap threshold after large frees; later large tensors then come from
-# the heap, which does not shrink, and CPU memory creeps up. A fixed threshold returns
-# every large tensor to the system when freed (set for the workers by hla-sp train too).
-MALLOC_MMAP_THRESHOLD = "131072"
-
 
 @dataclass
 class LocalRun:
@@ -46,13 +41,15 @@ def read_jsonl(path: str, events: bool = False) -> list[dict[str, Any]]:
 
 
 def worker_env(extra: dict[str, str] | None) -> dict[str, str]:
-    """This environment for a torchrun worker: one OpenMP thread, the fixed mmap
-    threshold, unbuffered output, then ``extra``."""
+    """This environment for a torchrun worker: one OpenMP thread, unbuffered output,
+    then ``extra``, then hla-sp train's allocator policy unless those chose one."""
+    from hla_sp.launch.distributed.allocator import set_worker_allocator
+
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("MALLOC_MMAP_THRESHOLD_", MALLOC_MMAP_THRESHOLD)
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
+    set_worker_allocator(env)
     return env
 
 

@@ -22,10 +22,12 @@ The same arguments and behaviour as ``torchrun``, except:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 
 from hla_sp.launch import errors
 from hla_sp.launch.errors import KNOWN_EXIT, read_failures, read_reports
@@ -53,6 +55,18 @@ class _DropFailedLine(logging.Filter):
                     and (read_reports(self.reports) or read_failures(self.reports)))
 
 
+@contextlib.contextmanager
+def _restore_env(name: str, value: str | None) -> Iterator[None]:
+    """Put ``name`` back as it was (an in-process caller keeps no stale report dir)."""
+    try:
+        yield
+    finally:
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 def known_failure(failures: dict[int, object], reports: list[dict]) -> int:
     """The exit status for a run that stopped on the reported errors: a reporting
     worker's own status (the first failure's rank first), else the known errors' one."""
@@ -72,7 +86,9 @@ def main(argv: list[str] | None = None, prog: str = "hla-sp train") -> int:
     for name in ("torch.distributed.elastic.agent.server.api",
                  "torch.distributed.elastic.multiprocessing.api"):
         logging.getLogger(name).addFilter(quiet)
-    with tempfile.TemporaryDirectory(prefix="hla-sp-errors-") as reports:
+    before = os.environ.get(errors.REPORT_ENV)
+    with tempfile.TemporaryDirectory(prefix="hla-sp-errors-") as reports, \
+            _restore_env(errors.REPORT_ENV, before):
         if not errors.debug():  # under HLA_SP_DEBUG the workers print for themselves
             os.environ[errors.REPORT_ENV] = reports  # the workers inherit it
             logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(

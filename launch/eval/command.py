@@ -29,7 +29,7 @@ from hla_sp.launch import checkpoint
 from hla_sp.launch.checkpoint.layout import CheckpointError
 from hla_sp.launch.checks import validate
 from hla_sp.launch.config.flags import OneLineParser
-from hla_sp.launch.distributed.local import MALLOC_MMAP_THRESHOLD
+from hla_sp.launch.distributed.allocator import set_worker_allocator
 from hla_sp.launch.distributed.torchrun import main as torchrun_main
 from hla_sp.launch.errors import DEBUG_ENV, ConfigError, DatasetError, debug
 from hla_sp.launch.eval import tasks
@@ -191,7 +191,7 @@ def _environment(argv: list[str], debug: bool) -> None:
     """What the workers inherit: the command for their record, threads, the allocator."""
 
     os.environ[COMMAND_ENV] = shlex.join(["hla-sp", "eval", *argv])
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", MALLOC_MMAP_THRESHOLD)
+    set_worker_allocator()
     # as hla-sp train (and torchrun) have it; more threads per rank pay only for a model
     # wide enough, and lose badly on a busy machine
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -209,6 +209,9 @@ def main(argv: list[str], torchrun_command: Callable[..., list[str]]) -> int:
         require("megatron", "hla-sp eval")
         require("plot", "hla-sp eval")  # the PNG is half of the result
         plan = make_plan(args)
+        from hla_sp.launch.eval.memory import check_eval_memory
+
+        check_eval_memory(plan.cfg, plan.lengths, plan.cp)  # the launcher's, before any rank
         prepare_output(args)
     except (ConfigError, CheckpointError, DatasetError) as e:
         if args.debug or debug():

@@ -129,7 +129,11 @@ def plot(plan: Any, record: dict[str, Any]) -> str:
 
 def finish(plan: Any, record: dict[str, Any]) -> list[str]:
     """The closing lines: the plot drawn, both files named."""
+    from hla_sp.launch.eval.verdict import passkey_verdict
+
     json_path = write_json(plan, record)
     png = plot(plan, record)
-    return [f"eval: {os.path.abspath(json_path)} (every figure), {os.path.abspath(png)} "
+    verdict = passkey_verdict(record)
+    return [*([verdict] if verdict else []),
+            f"eval: {os.path.abspath(json_path)} (every figure), {os.path.abspath(png)} "
             f"(the plot); {record['timing']['total_s']:.1f} s in all"]

@@ -15,12 +15,14 @@ So the result does not depend on P beyond the rounding of the model's own sums.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import signal
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 # Megatron warns on import about apex/TE; on CPU that is the expected state
@@ -29,9 +31,9 @@ warnings.filterwarnings("ignore", message=".*(Apex|apex|Transformer Engine|full 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from hla_sp.launch import checkpoint  # noqa: E402
+from hla_sp.launch import checkpoint, errors  # noqa: E402
 from hla_sp.launch.data.datasets import BYTE_VOCAB  # noqa: E402
-from hla_sp.launch.distributed import faults  # noqa: E402
+from hla_sp.launch.distributed import drills, faults  # noqa: E402
 from hla_sp.launch.distributed.process_groups import (  # noqa: E402
     Topology,
     init_distributed,
@@ -40,9 +42,10 @@ from hla_sp.launch.distributed.process_groups import (  # noqa: E402
 from hla_sp.launch.errors import ConfigError  # noqa: E402
 from hla_sp.launch.eval import report as eval_report  # noqa: E402
 from hla_sp.launch.eval.command import Plan, build_parser, make_plan, prepare_output  # noqa: E402
-from hla_sp.launch.eval.tasks import bucket_of, buckets, passkey  # noqa: E402
+from hla_sp.launch.eval.tasks import bucket_of, buckets, passkey, short  # noqa: E402
 from hla_sp.launch.model.build import build_model, model_dtype  # noqa: E402
 from hla_sp.launch.model.loss import token_losses  # noqa: E402
+from hla_sp.launch.progress import Progress  # noqa: E402
 from hla_sp.launch.train import metrics  # noqa: E402
 from hla_sp.megatron_patch.compat import cp_split  # noqa: E402
 
@@ -68,9 +71,10 @@ def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def ppl_length(model: torch.nn.Module, plan: Plan, length: int, device: torch.device
-               ) -> dict[str, Any]:
-    """Loss per position bucket at ``length``, over --samples windows."""
+def ppl_length(model: torch.nn.Module, plan: Plan, length: int, device: torch.device,
+               tick: Callable[[int], None] = lambda n: None) -> dict[str, Any]:
+    """Loss per position bucket at ``length``, over --samples windows (``tick(length)``
+    after each)."""
     first = plan.args.first_bucket
     edges = buckets(length, first)
     total = torch.zeros(2, len(edges), dtype=torch.float64, device=device)  # sum, count
@@ -85,6 +89,7 @@ def ppl_length(model: torch.nn.Module, plan: Plan, length: int, device: torch.de
         _sum_over_ranks(part)
         total += part
         per_sample.append(float(part[0].sum() / length))
+        tick(length)
     sums, counts = total.tolist()
     rows = [{"lo": lo, "hi": hi, "tokens": int(c), "loss_nats": s / c,
              "bits_per_token": s / c / math.log(2)}
@@ -107,9 +112,10 @@ def key_stats(logits: torch.Tensor, labels: torch.Tensor, positions: torch.Tenso
     return torch.stack([logp.sum(), hits, at.sum().double()])
 
 
-def passkey_length(model: torch.nn.Module, plan: Plan, length: int, device: torch.device
-                   ) -> dict[str, Any]:
-    """Retrieval at each --depths, --samples seeded sequences each."""
+def passkey_length(model: torch.nn.Module, plan: Plan, length: int, device: torch.device,
+                   tick: Callable[[int], None] = lambda n: None) -> dict[str, Any]:
+    """Retrieval at each --depths, --samples seeded sequences each (``tick(length)``
+    after each sequence)."""
     rows = []
     for d, depth in enumerate(plan.depths):
         hits, logps, samples = 0, [], []
@@ -126,6 +132,7 @@ def passkey_length(model: torch.nn.Module, plan: Plan, length: int, device: torc
             logps.append(lp_sum / pk.answer_tokens)
             samples.append({"key": pk.key, "needle_at": pk.needle_at, "retrieved": ok,
                             "digit_logprob": lp_sum / pk.answer_tokens})
+            tick(length)
         rows.append({"depth": depth, "accuracy": hits / len(samples),
                      "digit_logprob": sum(logps) / len(logps), "samples": samples})
     return {"accuracy": sum(r["accuracy"] for r in rows) / len(rows), "depths": rows}
@@ -161,12 +168,17 @@ def evaluate(plan: Plan, topo: Topology) -> dict[str, Any]:
     record["timing"]["load_s"] = time.perf_counter() - t0
     run = ppl_length if plan.args.task == "ppl-by-position" else passkey_length
     _warm_up(model, plan, topo.device)
-    for length in plan.lengths:
+    per_length = plan.args.samples * (len(plan.depths) if run is passkey_length else 1)
+    bar = Progress(f"eval {plan.args.task}", sum(plan.lengths) * per_length, "tokens",
+                   enabled=topo.is_first)
+    for i, length in enumerate(plan.lengths):
+        drills.maybe_inject(topo.rank, i + 1)  # HLA_SP_FAULT drills: ITER is the i-th length
         metrics.reset_peak_memory()
         dist.barrier()
         start = time.perf_counter()
+        tick = functools.partial(bar.advance, note=f"at {short(length)}")
         with torch.no_grad():
-            out = run(model, plan, length, topo.device)
+            out = run(model, plan, length, topo.device, tick)
         if topo.device.type == "cuda":
             torch.cuda.synchronize()
         dist.barrier()
@@ -183,7 +195,8 @@ def evaluate(plan: Plan, topo: Topology) -> dict[str, Any]:
         record["timing"]["total_s"] = time.perf_counter() - t0
         if topo.is_first:
             eval_report.write_json(plan, record)
-            metrics.say(eval_report.line(plan, out))
+            bar.say(eval_report.line(plan, out))
+    bar.close()
     if topo.is_first:
         for msg in eval_report.finish(plan, record):
             metrics.say(msg)
@@ -216,12 +229,16 @@ def main(argv: list[str] | None = None) -> int:
         evaluate(plan, topo)
     except Exception as err:
         known = faults.known_error(err)
-        if known is None:
+        if known is not None:
+            faults.report_known(known, PROG)  # once for the run, by the launcher
+        elif errors.reporting():  # hla-sp eval's launcher prints one traceback for the run
+            faults.report_failure(faults.global_rank(), int(os.environ.get("WORLD_SIZE", "1")),
+                                  err, with_traceback=True, doing="evaluation")
+        else:
             raise
-        faults.report_known(known, PROG)  # once for the run, by the launcher
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(2)  # a broken group can hang in its teardown
+        os._exit(2 if known is not None else 1)  # a broken group can hang in its teardown
     shutdown(topo)
     return 0
 

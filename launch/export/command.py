@@ -13,7 +13,7 @@ whole tensors that any TP, CP or DP size saved, SHA-256-verified), converted by
                                   the tied output layer stored once
     DIR/generation_config.json    the end of document as eos (and bos, pad)
     DIR/tokenizer_config.json ... the run's tokenizer (bytes: HLASPByteTokenizer)
-    DIR/configuration_hla_sp.py   two-line modules importing the installed ``hla_sp.hf``
+    DIR/configuration_hla_sp.py   short modules importing the installed ``hla_sp.hf``
     DIR/modeling_hla_sp.py        (for ``trust_remote_code=True``: the code is the
     DIR/tokenization_hla_sp.py    package's, never a copy that could drift from it)
 
@@ -21,19 +21,24 @@ The directory is written beside DIR first and renamed into place once complete, 
 interrupted export leaves nothing half-written under DIR. An existing non-empty DIR is
 refused unless ``--force`` is given and DIR holds an earlier export (its config.json has
 ``model_type`` ``hla_sp``), which is then replaced whole; any other directory is never
-touched. Before the rename the written directory is loaded back through
-``AutoModelForCausalLM`` and its logits on a probe sequence are compared with the
-checkpoint's model (``--no-verify`` skips it).
+touched. A symbolic link DIR is followed (the export goes where it points). Before the
+rename the written directory is loaded back through ``AutoModelForCausalLM`` and its
+logits on a probe sequence are compared with the checkpoint's model; non-finite logits
+are refused, naming which model gave them (``--no-verify`` skips the comparison, and
+also reads a checkpoint whose manifest.json is missing, unverified). A checkpoint
+recorded non-finite is refused either way.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import sys
 import warnings
+from importlib.metadata import version
 
 import torch
 from hla_sp.launch.config.flags import OneLineParser
@@ -41,6 +46,7 @@ from hla_sp.launch.config.train_config import ConfigError
 from hla_sp.launch.data.tokenizer import load_run_tokenizer
 from hla_sp.launch.export.generate import GenerateError, load_model, max_positions
 from hla_sp.launch.export.hf_convert import ConvertError, hf_config_from_train, hf_state_dict
+from hla_sp.launch.progress import Progress
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # the probe of --verify: its length (at most the learned positions) and its seed
@@ -64,6 +70,11 @@ CODE = {
     "modeling_hla_sp.py": ("hla_sp.hf.modeling", ["HLASPForCausalLM", "HLASPModel"]),
     "tokenization_hla_sp.py": ("hla_sp.hf.tokenization", ["HLASPByteTokenizer"]),
 }
+
+
+# what a machine without hla-sp reads on loading an export (docs/eval.md, "Anywhere else")
+MISSING = (f"this model's code is hla-sp's: pip install \"hla_sp-{version('hla-sp')}-py3-none-any"
+           f".whl[hf]\" (make wheel in an hla-sp checkout builds it; docs/eval.md)")
 
 
 class ExportError(RuntimeError):
@@ -122,6 +133,18 @@ def check_output(output: str, force: bool) -> None:
     parent = os.path.dirname(os.path.abspath(output))
     if not os.path.isdir(parent):
         raise ExportError(f"--output {output}: its parent directory {parent} does not exist")
+    # the export is written beside DIR and renamed into place: the parent must take both
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ExportError(f"--output {output}: its parent directory {parent} is not writable "
+                          f"(the export is written beside it, then renamed); choose a "
+                          f"writable place")
+
+
+def resolve_output(output: str) -> str:
+    """``--output`` as written to: a symbolic link is followed (the export goes where it
+    points, and the link stays), so that the link is never replaced by a directory."""
+    output = output.rstrip(os.sep) or output
+    return os.path.realpath(output) if os.path.islink(output) else output
 
 
 def _write_code(out: str, byte_tokenizer: bool) -> None:
@@ -130,10 +153,17 @@ def _write_code(out: str, byte_tokenizer: bool) -> None:
         if name.startswith("tokenization") and not byte_tokenizer:
             continue
         names = ", ".join(f'"{c}"' for c in classes)
+        # transformers' check_imports skips imports inside try: a machine without hla-sp
+        # then reads the except's one line on how to install it, not a list of packages
         with open(os.path.join(out, name), "w") as f:
             f.write('"""hla-sp for transformers (trust_remote_code=True): the classes of the '
-                    'installed\npackage (pip install "hla-sp[hf]"), not a copy of them."""\n\n'
-                    f"from {module} import {', '.join(classes)}\n\n__all__ = [{names}]\n")
+                    'installed\npackage, not a copy of them."""\n\ntry:\n'
+                    f"    from {module} import {', '.join(classes)}\n"
+                    "except ImportError as e:\n"
+                    f"    if e.name not in ({module!r}, 'hla_sp', 'hla_sp.hf'):\n"
+                    "        raise\n"
+                    f"    raise ImportError({MISSING!r}) from None\n\n"
+                    f"__all__ = [{names}]\n")
 
 
 def _probe(vocab: int, positions: int | None) -> torch.Tensor:
@@ -148,7 +178,10 @@ def write_export(args: argparse.Namespace, out: str) -> str:
     :func:`hla_sp.launch.export.generate.single_process`."""
 
     dtype = DTYPES[args.dtype]
+    # stages: read the checkpoint, write the directory, (verify) load it back and compare
+    bar = Progress("export", 3 if args.verify else 2, "stages")
     model, cfg = load_model(args.load, args.ckpt_step, decodable=False)
+    bar.advance(note="writing the model directory")
     tok = load_run_tokenizer(cfg)
     # the model's vocabulary, not the tokenizer's when --vocab-size exceeded it: the ids
     # above the tokenizer's were trained (to improbability) and share the softmax
@@ -161,11 +194,13 @@ def write_export(args: argparse.Namespace, out: str) -> str:
     state = {k: v.to(dtype).contiguous() for k, v in state.items()}
     byte_tok = _save_files(out, hf_config, state, tok, args.dtype)
     del state
+    bar.advance(note="checking its logits")
     m = cfg.model
     summary = (f"{m.attention} GPT, {m.num_layers} layers x {m.hidden_size} hidden, "
                f"vocabulary {vocab} ({'bytes' if byte_tok else tok.name}), "
                f"{args.dtype}")
     if not args.verify:
+        bar.close()
         return summary
     # the reference: the checkpoint's model in fp32 on the weights as exported (rounded to
     # bf16 for --dtype bf16), so that the comparison is exact up to summation order
@@ -179,6 +214,8 @@ def write_export(args: argparse.Namespace, out: str) -> str:
         want = model(ids, torch.arange(ids.shape[1])[None], None)[0, :, :vocab]
     del model
     err = verify(out, ids, want)
+    bar.advance()
+    bar.close()
     return summary + f"; logits checked: max difference {err:.1e} of the largest"
 
 
@@ -237,6 +274,14 @@ def verify(out: str, ids: torch.Tensor, want: torch.Tensor) -> float:
                           f"nothing was left in place")
     with torch.no_grad():
         got = hf(ids).logits[0]
+    if not bool(torch.isfinite(want).all()):
+        raise ExportError("--load: the checkpoint's model gives non-finite logits (NaN or "
+                          "infinite) on the probe sequence: its weights cannot be used; export "
+                          "another iteration (--ckpt-step); nothing was left in place")
+    if not bool(torch.isfinite(got).all()):
+        raise ExportError("--verify: the exported model gives non-finite logits where the "
+                          "checkpoint's are finite (a weight too large for --dtype?); nothing "
+                          "was left in place")
     err = float((got - want).abs().max() / want.abs().max())
     if not err <= VERIFY_REL:
         raise ExportError(f"--verify: the exported model's logits differ from the "
@@ -261,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     """The ``hla-sp export`` command: one summary line on stdout."""
 
     args = build_parser().parse_args(argv)
-    output = args.output.rstrip(os.sep) or args.output
+    output = resolve_output(args.output)
     tmp = f"{output}.tmp-{os.getpid()}"
     try:
         from hla_sp.launch.extras import installed, require
@@ -281,8 +326,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ExportError(str(e)) from None
         check_output(output, args.force)
         os.makedirs(tmp)
+        from hla_sp.launch.checkpoint import manifest
+
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), (manifest.unverified() if not args.verify
+                                             else contextlib.nullcontext()):
                 _quiet_megatron()
                 with single_process():
                     summary = write_export(args, tmp)
@@ -291,6 +339,11 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     except (ExportError, GenerateError, ConfigError) as e:  # one line, not a traceback
         print(f"hla-sp export: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a full disk, a place that changed under the export
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"hla-sp export: error: {where}{e.strerror or e}; nothing was left in place",
+              file=sys.stderr)
         return 2
     print(f"hla-sp export: {output}: {summary}")
     return 0

@@ -34,6 +34,7 @@ from hla_sp.launch.config.flags import OneLineParser
 from hla_sp.launch.config.train_config import ConfigError, TrainConfig
 from hla_sp.launch.data.tokenizer import RunTokenizer, load_run_tokenizer, load_tokenizer
 from hla_sp.launch.model.build import build_model, model_dtype, softmax_layers
+from hla_sp.launch.progress import Progress
 
 BYTE_VOCAB = 257  # ids 0..255 are bytes, EOD ends a document (hla_sp.launch.data.datasets)
 EOD = 256
@@ -42,6 +43,8 @@ EOD = 256
 # that, at 1e-6, the gap between the two likeliest tokens is 1e6 times wider than any
 # softmax resolves, so sampling is the argmax already (0 asks for that by name)
 MIN_TEMPERATURE = 1e-6
+# generations longer than this show progress with an ETA (launch/progress.py)
+PROGRESS_TOKENS = 256
 
 
 class GenerateError(RuntimeError):
@@ -332,13 +335,20 @@ def _stream(args: argparse.Namespace) -> Generation:
     print(header(args.load, it), file=sys.stderr, flush=True)
     text = tok.stream()
     sys.stdout.write(args.prompt)
+    # a long generation shows its progress on stderr, unless the text itself streams to
+    # a terminal (a bar there would break its lines)
+    bar = Progress("generate", args.max_new_tokens, "tokens",
+                   enabled=args.max_new_tokens > PROGRESS_TOKENS and not sys.stdout.isatty())
 
     def emit(t: int) -> None:
         sys.stdout.write(text.add(t))  # an end of document (--no-stop-at-eod): a new line
         sys.stdout.flush()
+        bar.advance()
 
-    g = generate(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.seed,
-                 args.stop_at_eod, emit, eod=tok.eod, vocab=cfg.model.vocab_size or BYTE_VOCAB)
+    with bar:
+        g = generate(model, ids, args.max_new_tokens, args.temperature, args.top_k,
+                     args.seed, args.stop_at_eod, emit, eod=tok.eod,
+                     vocab=cfg.model.vocab_size or BYTE_VOCAB)
     sys.stdout.write(text.flush() + "\n")
     return g
 

@@ -104,20 +104,17 @@ def _vocab(cfg: TrainConfig, vocab: int | None) -> int:
 
 def model_flops_per_token(cfg: TrainConfig, vocab: int | None = None) -> float:
     """Training FLOPs per token (forward and backward, 3x the forward; recomputation not
-    counted, as in MFU): 2 per multiply-add of every weight matrix and the output layer,
-    plus the core attention: HLA's state updates and reads, 8 x heads x d_k x (d_k + d_v)
-    per token and layer, or softmax's causal scores and mixing, 2 x T x hidden."""
-    h, heads = cfg.model.hidden_size, cfg.model.num_attention_heads
-    d = h // heads
-    groups = cfg.model.num_query_groups or heads
-    ffn = cfg.model.ffn_hidden_size or 4 * h
-    matmul = h * (h + 2 * groups * d) + h * h + 2 * h * ffn
-    if cfg.model.attention == "softmax":
-        core = 2 * cfg.model.seq_length * h
-    else:
-        core = 8 * heads * d * (2 * d)
-    fwd = cfg.model.num_layers * (2 * matmul + core) + 2 * h * _vocab(cfg, vocab)
-    return 3.0 * fwd
+    counted, as in MFU): :func:`hla_sp.launch.model.flops.gpt_flops_per_token` of the run's
+    shape, its core attention counted as it computes (HLA's chunked passes, or softmax's
+    causal scores and mixing)."""
+    from hla_sp.launch.model.flops import gpt_flops_per_token
+
+    m = cfg.model
+    return gpt_flops_per_token(
+        layers=m.num_layers, hidden=m.hidden_size, heads=m.num_attention_heads,
+        kv_heads=m.num_query_groups or m.num_attention_heads,
+        ffn=m.ffn_hidden_size or 4 * m.hidden_size, vocab=_vocab(cfg, vocab),
+        seq_length=m.seq_length, attention=m.attention, chunk=cfg.hla.chunk_size)
 
 
 AUTO_LOSS_CHUNK = 4096  # tokens: large enough for efficient matmuls, logits a few GiB

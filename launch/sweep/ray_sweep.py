@@ -311,38 +311,45 @@ def _run_grid(
     streams: list[_SweepOutput],
 ) -> None:
     """One TorchTrainer per world size; appends a row per grid point to ``rows``."""
+    from hla_sp.launch.progress import Progress
+
+    # grid points done of all, on the real stderr (Ray's workers write through streams)
+    bar = Progress("sweep", len(points), "grid points", stream=sys.__stderr__)
     for p in sweep_cfg["world_sizes"]:
         # ascending T: a point that runs out of memory ends only the longer ones
         mine = sorted((c for q, _, c in points if q == p), key=lambda c: c.model.seq_length)
         for st in streams:
             st.point = f"P={p}"
-        print(f"[sweep] P={p}: T in {[c.model.seq_length for c in mine]} ...", flush=True)
+        bar.say(f"[sweep] P={p}: T in {[c.model.seq_length for c in mine]} ...")
         try:
             got = _run_world_size(mine, p, use_gpu, os.path.join(out, "ray_results"))
             error = None
         except Exception as e:  # a failed P (e.g. out of memory) does not end the grid
             got, error = {}, f"{type(e).__name__}: {e}"[:2000]
-            print(f"[sweep] P={p} failed: {error[:300]}", flush=True)
+            bar.say(f"[sweep] P={p} failed: {error[:300]}")
         for c in mine:
             t = c.model.seq_length
             row: dict[str, Any] = {"world_size": p, "cp": c.parallelism.context_parallel_size}
             row["seq_length"] = t
             if str(t) in got:
                 row.update(got[str(t)], status="ok")
-                print(
+                bar.say(
                     f"[sweep] P={p} T={t:,}: {row['tokens_per_s']:,.0f} tok/s, step "
                     f"{row['step_time_s']:.2f} s, peak "
                     f"{row['peak_mem_bytes_max'] / 2**30:.2f} GiB/rank, loss "
-                    f"{row['loss_first']:.3f} -> {row['loss_last']:.3f}",
-                    flush=True,
+                    f"{row['loss_first']:.3f} -> {row['loss_last']:.3f}"
                 )
             else:
                 row.update(status="failed", error=error or "no result")
             rows.append(row)
+        bar.advance(len(mine), note=f"P={p} done")
+    bar.close()
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="hla-sp sweep", description=__doc__.split("\n")[0])
+    from hla_sp.launch.config.flags import plain
+
+    ap = argparse.ArgumentParser(prog="hla-sp sweep", description=plain(__doc__.split("\n")[0]))
     ap.add_argument("config", help="Sweep config (.json or .toml).")
     ap.add_argument("--output-dir", default=None, help="Overrides output_dir in the config.")
     a = ap.parse_args(argv)

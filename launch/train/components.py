@@ -25,7 +25,7 @@ from hla_sp.launch.distributed.process_groups import Topology
 from hla_sp.launch.model.build import build_model, model_dtype
 from hla_sp.launch.model.estimate import model_flops_per_token
 from hla_sp.launch.train import metrics
-from hla_sp.launch.train.nonfinite import checkpoint_finite
+from hla_sp.launch.train.nonfinite import checkpoint_finite, saved_tensors
 from hla_sp.launch.train.precision import LossScaler, MasterWeights
 from hla_sp.launch.train.throughput import peak_tflops
 
@@ -192,10 +192,12 @@ class CheckpointManager:
     def save(self, parts: ModelParts, iteration: int, consumed_samples: int,
              last: dict[str, Any] | None = None) -> str:
         """Write this iteration's checkpoint; ``last`` is its record, whose loss (and
-        gradient norm, unless an fp16 skip) must be finite, like the weights, for the
-        checkpoint to count as finite (what --keep-last never deletes)."""
+        gradient norm, unless a skipped step) must be finite, like every tensor saved,
+        for the checkpoint to count as finite (what --keep-last never deletes and every
+        reader requires)."""
         ck, topo = self.cfg.checkpoint, self.topo
-        finite = checkpoint_finite(parts.masters.main, last)
+        finite = checkpoint_finite(
+            saved_tensors(parts.model, parts.masters.main, parts.optimizer), last)
         # the checkpoint this run resumed from stays, when it lives in --save
         same = (ck.load is not None and ck.save is not None and os.path.isdir(ck.load)
                 and os.path.isdir(ck.save) and os.path.samefile(ck.load, ck.save))
@@ -213,6 +215,7 @@ class CheckpointManager:
             config=self.cfg.to_dict(),
             keep_last=ck.keep_last,
             finite=finite,
+            loss=(last or {}).get("loss"),
             loaded=self.resumed_from if same else None,
             # the losses: generate's header names the checkpoint's
             extra={**parts.extra_state(), "losses": {

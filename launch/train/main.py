@@ -18,6 +18,10 @@ from typing import Any
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 warnings.filterwarnings("ignore", message=".*apex.*", category=UserWarning)
 warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
+# at TP > 1, once per rank: advice for CUDA's overlap of Megatron's async all-reduce,
+# which on CPU means nothing and on GPUs is not this trainer's schedule; it broke the
+# one-line stop of a failing run into five lines
+warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -128,10 +132,7 @@ def run(
         heartbeat.stop()
         checkpoint.release_save_locks()
         if topo.is_first:
-            it = trainer.iteration if trainer is not None else 0
-            print(f"hla-sp train: stopped by {stop} during iteration {it + 1}; nothing saved "
-                  f"since then (--exit-signal-handler finishes the iteration and saves)",
-                  file=sys.stderr, flush=True)
+            print(_interrupted_line(stop, trainer), file=sys.stderr, flush=True)
         if not exit_on_error:
             raise
         sys.stdout.flush()
@@ -179,6 +180,19 @@ def run(
     return records
 
 
+def _interrupted_line(stop: signals.Interrupted, trainer: Trainer | None) -> str:
+    """The one line of a run a signal stopped: during an iteration, or during the save of
+    one (the iteration counter has moved on by then: the save is of the one just done)."""
+    saving = getattr(stop, "hla_sp_saving", None)
+    if saving is not None:
+        return (f"hla-sp train: stopped by {stop} while saving iteration {saving}'s "
+                f"checkpoint, which is left incomplete (the previous one stays the latest); "
+                f"--exit-signal-handler finishes the iteration and saves")
+    it = trainer.iteration if trainer is not None else 0
+    return (f"hla-sp train: stopped by {stop} during iteration {it + 1}; nothing saved "
+            f"since then (--exit-signal-handler finishes the iteration and saves)")
+
+
 def _is_oom(err: BaseException) -> bool:
     """CUDA's OutOfMemoryError, or the CPU allocator's "can't allocate memory"."""
     return isinstance(err, (torch.OutOfMemoryError, MemoryError)) or (
@@ -188,7 +202,7 @@ def _is_oom(err: BaseException) -> bool:
 
 def _say_trained(cfg: TrainConfig, trainer: Trainer, records: list[dict[str, Any]]) -> None:
     """Rank 0's closing lines of a training run: the loss, the log and its plot, and how
-    to resume a run a signal stopped."""
+    to resume a run a signal stopped, or what to run next."""
     if records:
         metrics.say(
             f"done: loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} over "
@@ -201,6 +215,11 @@ def _say_trained(cfg: TrainConfig, trainer: Trainer, records: list[dict[str, Any
         metrics.say(metrics.plot_run(cfg.logging.log_jsonl))
     if trainer.stopped_by:
         metrics.say(_stopped_line(cfg, trainer))
+    elif records:
+        from hla_sp.launch.train.after_training import next_commands
+
+        for line in next_commands(cfg, trainer.iteration):
+            metrics.say(line)
 
 
 def _evaluation_line(cfg: TrainConfig, rec: dict[str, Any]) -> str:

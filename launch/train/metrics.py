@@ -10,6 +10,7 @@ import time
 from typing import Any, TextIO
 
 import torch
+from hla_sp.launch.progress import count, duration
 
 
 def peak_memory_bytes() -> int:
@@ -58,6 +59,8 @@ def progress_line(rec: dict[str, Any], train_iters: int) -> str:
         extra += f" | recall acc {rec['val_recall_acc']:.3f}"
     if "loss_scale" in rec:
         extra += f" | loss scale {rec['loss_scale']:.3g}" + (" (skipped)" if rec["skipped"] else "")
+    elif rec.get("skipped"):  # --no-check-for-nan-in-loss-and-grad: not stepped
+        extra += " | non-finite: step skipped"
     if "tflops_per_rank" in rec:
         extra += (f" | {rec['tflops_per_rank']:.3g} TFLOP/s per rank "
                   f"({rec['tflops_total']:.3g} total)")
@@ -77,24 +80,6 @@ def progress_line(rec: dict[str, Any], train_iters: int) -> str:
         f"peak mem {gib(rec['peak_mem_bytes'])} "
         f"(max of {len(rec['peak_mem_bytes_per_rank'])} ranks){extra}"
     )
-
-
-def count(n: float) -> str:
-    """1234 -> 1.23k, 4.5e6 -> 4.50M (tokens on the progress line)."""
-    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if n >= div:
-            return f"{n / div:.2f}{unit}"
-    return f"{n:.0f}"
-
-
-def duration(seconds: float) -> str:
-    """Seconds as 42s, 3m05s or 2h07m."""
-    s = max(round(seconds), 0)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def start_marker(
@@ -247,6 +232,7 @@ class JsonlLog:
             self._f = None
 
 
-def say(msg: str, stream: TextIO = sys.stdout) -> None:
-    """Print and flush (torchrun pipes stdout; unflushed lines vanish on a crash)."""
-    print(msg, file=stream, flush=True)
+def say(msg: str, stream: TextIO | None = None) -> None:
+    """Print and flush (torchrun pipes stdout; unflushed lines vanish on a crash). The
+    default is the sys.stdout of the call, not of the import (a test's capture closes)."""
+    print(msg, file=stream if stream is not None else sys.stdout, flush=True)

@@ -2,7 +2,8 @@
 
 Steps are counted from 0 as in Megatron (step N logs iteration N + 1). Each rank of
 --profile-ranks records the CPU (and on GPU the CUDA) activity of those steps and writes
-one Chrome trace, ``<--tensorboard-dir, else --save>/profile/rank<R>.steps<N>-<M>.pt.trace.json``;
+one Chrome trace, ``<--tensorboard-dir, else --save>/profile/rank<R>.steps<N>-<M>.pt.trace.json``
+(never overwritten: a resumed run's trace of the same window gets ``.2``, ``.3``, ...);
 each step is a ``ProfilerStep#<step>`` span in it (the step, its evaluation and its
 logging), and each HLA core attention call a ``hla_sp::<operator>`` span (forward, and
 its recomputation under full recompute; the backward shows as the operator's autograd
@@ -58,6 +59,22 @@ def trace_path(cfg: TrainConfig, rank: int) -> str:
     return os.path.join(base, name)
 
 
+TRACE_SUFFIX = ".pt.trace.json"
+
+
+def unused_path(path: str) -> str:
+    """``path``, or when a trace is there already (an earlier launch of the run, before
+    a resume), the first free ``<name>.2.pt.trace.json``, ``.3``, ...: traces are never
+    overwritten."""
+    if not os.path.lexists(path):
+        return path
+    stem = path[: -len(TRACE_SUFFIX)] if path.endswith(TRACE_SUFFIX) else path
+    n = 2
+    while os.path.lexists(f"{stem}.{n}{TRACE_SUFFIX}"):
+        n += 1
+    return f"{stem}.{n}{TRACE_SUFFIX}"
+
+
 class StepProfiler:
     """The profiler of one rank over the loop: :meth:`start` before the first step,
     :meth:`step` after each, :meth:`stop` at the end (a window cut short by
@@ -93,6 +110,7 @@ class StepProfiler:
 
     def _write(self, prof: torch.profiler.profile) -> None:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self.path = unused_path(self.path)  # a resumed run's trace never replaces one
         prof.export_chrome_trace(self.path)
         say(f"profile: steps {self.start_step}-{self.end_step - 1} of rank "
             f"{torch.distributed.get_rank()} written to {self.path}")

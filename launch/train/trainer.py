@@ -11,7 +11,8 @@ Each optimizer step:
 3. gradients are all-reduced over DP x CP, clipped by the global norm (TP-aware), and
    AdamW steps with Megatron's warmup + cosine scheduler;
 4. a non-finite loss or gradient norm stops the run before the optimizer steps, on
-   every rank alike (:mod:`hla_sp.launch.train.nonfinite`); an fp16 overflow stays a skip.
+   every rank alike (:mod:`hla_sp.launch.train.nonfinite`); an fp16 overflow stays a skip,
+   and so is such a step under --no-check-for-nan-in-loss-and-grad.
 
 :func:`hla_sp.launch.train.main.run` builds it inside a process group (under torchrun, and
 in each worker of the Ray sweep).
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 from hla_sp.launch.config.train_config import TrainConfig
 from hla_sp.launch.data.datasets import microbatches
-from hla_sp.launch.distributed import faults, signals
+from hla_sp.launch.distributed import drills, faults, signals
 from hla_sp.launch.distributed.process_groups import Topology
 from hla_sp.launch.model.loss import masked_loss_sum, token_losses
 from hla_sp.launch.train import metrics
@@ -130,7 +131,7 @@ class Trainer:
     def step(self) -> dict[str, Any]:
         """Train one global batch; return the iteration's record (loss reduced globally)."""
         cfg, topo = self.cfg, self.topo
-        faults.maybe_inject(topo.rank, self.iteration + 1)
+        drills.maybe_inject(topo.rank, self.iteration + 1)
         t0 = time.perf_counter()
         self.model.train()
         batches = self._batches(self.data.samples, self.consumed_samples)
@@ -158,10 +159,10 @@ class Trainer:
         else:
             grad_norm, loss_total = self.parts.clip(loss_sum, cfg.optimizer.clip_grad)
         loss = loss_total / max(total_tokens, 1.0)
-        check = cfg.optimizer.check_for_nan_in_loss_and_grad
-        bad = non_finite(loss, grad_norm, skipped) if check else ""
-        if bad:
+        bad = non_finite(loss, grad_norm, skipped)
+        if bad and cfg.optimizer.check_for_nan_in_loss_and_grad:
             raise NonFiniteError(stop_line(cfg, self.iteration, self.resumed_from, bad))
+        skipped = skipped or bool(bad)  # the opt-out trains on: no non-finite update
         if not skipped:
             self.optimizer.step()
             self.masters.copy_to_model()
@@ -194,7 +195,8 @@ class Trainer:
             "dp": topo.dp,
             "world_size": topo.world_size,
             "attention": cfg.model.attention,
-            **({"loss_scale": scale, "skipped": skipped} if self.scaler is not None else {}),
+            **({"loss_scale": scale} if self.scaler is not None else {}),
+            **({"skipped": skipped} if self.scaler is not None or skipped else {}),
         }
 
     def save(self, last: dict[str, Any] | None = None) -> str:

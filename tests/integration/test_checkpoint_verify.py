@@ -1,8 +1,8 @@
 """Checkpoint files are digested on save and verified on load: a flipped byte, a
 truncated file, a ``model_optim/`` or a manifest from another iteration is refused in
 one line naming the file, by a resume (``checkpoint.load``) and by ``generate``
-(``checkpoint.load_weights``) alike; a checkpoint without a manifest loads with one
-warning; on several ranks every rank refuses together."""
+(``checkpoint.load_weights``) alike; a checkpoint without a manifest is refused unless
+its format predates manifests (then one warning); on several ranks every rank refuses together."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpt_formats import without_manifest_as_format_2
 from hla_sp.launch import checkpoint
 from hla_sp.launch.checkpoint import manifest
 
@@ -118,21 +119,35 @@ def test_truncated_or_missing_file_is_refused(tmp_path: Path, group: None) -> No
         assert msg.startswith(f"{rng}: missing; manifest.json of iteration 4 lists it")
 
 
-def test_checkpoint_without_a_manifest_loads_with_one_warning(
+def test_a_deleted_manifest_is_refused_unless_the_format_predates_manifests(
     tmp_path: Path, group: None, capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Probe 5: a deleted manifest.json turned verification off ("written before files
+    were digested", false), and a resume then certified the corrupt file."""
     monkeypatch.setattr(checkpoint.layout, "_warned", set())
     root = tmp_path / "c"
     d = _save(root, 5, fill=0.75)
-    (d / checkpoint.MANIFEST).unlink()  # as every checkpoint before this change
+    (d / checkpoint.MANIFEST).unlink()
+    for msg in _refusals(root, 5):
+        assert msg.startswith(f"{d}: no manifest.json, though its format always writes one "
+                              f"(common.pt records format 3 or later): it was deleted or "
+                              f"lost"), msg
+    from hla_sp.launch.checkpoint import manifest as m
+
+    with m.unverified():  # hla-sp export --no-verify
+        assert float(_load(root)[0].weight[0, 0].detach()) == 0.75
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"[hla-sp] warning: {d}: no manifest.json (--no-verify); loading it unverified"]
+    without_manifest_as_format_2(d)  # written before manifests existed: loads, with one warning
     assert float(_load(root)[0].weight[0, 0].detach()) == 0.75
     model = _parts()["model"]
     checkpoint.load_weights(str(root), 5, model)
     assert float(model[0].weight[0, 0].detach()) == 0.75
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"[hla-sp] warning: {d}: no manifest.json (a checkpoint written before "
-                   f"files were digested); loading it unverified"], err
+    assert err == [f"[hla-sp] warning: {d}: no manifest.json (written before files were "
+                   f"digested: common.pt records format 2; manifests came with format 3); "
+                   f"loading it unverified"], err
 
 
 def test_common_pt_of_another_iteration_is_refused_without_a_manifest(
@@ -141,8 +156,8 @@ def test_common_pt_of_another_iteration_is_refused_without_a_manifest(
     root = tmp_path / "c"
     _save(root, 1)
     d2 = _save(root, 2)
-    (d2 / checkpoint.MANIFEST).unlink()
     shutil.copy(root / "iter_0000001" / "common.pt", d2 / "common.pt")
+    without_manifest_as_format_2(d2)
     with pytest.raises(checkpoint.CheckpointError) as e:
         _load(root, 2)
     assert str(e.value).startswith(f"{d2 / 'common.pt'}: records iteration 1, expected 2")

@@ -342,6 +342,24 @@ def test_worker_error_is_one_line(trained: Path, tmp_path: Path) -> None:
     assert "is (2, 32) in the checkpoint, this model's is (2, 48)" in err
 
 
+def test_unexpected_worker_error_is_one_traceback_and_one_line(trained: Path,
+                                                               tmp_path: Path) -> None:
+    """Rank 1 raises an error of no known kind at the first length: one traceback, one
+    summary line, no torchrun dump (issue 52, item 3)."""
+    p = subprocess.run([HLA_SP, "eval", "--load", str(trained), "--task", "ppl-by-position",
+                        "--lengths", "128", "--samples", "1", "--nproc-per-node", "2",
+                        "--output", str(tmp_path / "out")],
+                       capture_output=True, text=True, env=_env({"HLA_SP_FAULT": "1:1:raise"}),
+                       timeout=600)
+    err = p.stderr
+    assert p.returncode == 1, err
+    assert err.count("Traceback (most recent call last)") == 1, err
+    assert "ChildFailedError" not in err and "[hla-sp] rank" not in err, err
+    assert err.strip().splitlines()[-1].startswith(
+        "hla-sp eval: error: rank 1/2 stopped by RuntimeError: HLA_SP_FAULT: injected error "
+        "on rank 1 at iteration 1 (during evaluation)"), err
+
+
 def test_help(capsys: Any) -> None:
     from hla_sp.launch.cli.commands import main
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from ckpt_formats import without_manifest_as_format_2
 from conftest import FakeStore
 from hla_sp.launch import checkpoint
 from hla_sp.launch.checks import validate
@@ -183,7 +184,7 @@ def test_missing_rng_file_named_and_not_bitwise(tmp_path: Path, group: None) -> 
     rng = Path(d) / "rng_rank00000.pt"
     rng.unlink()
     # a checkpoint without file digests (older): with them the missing file is refused
-    (Path(d) / checkpoint.MANIFEST).unlink()
+    without_manifest_as_format_2(Path(d))
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         assert _load(tmp_path / "c")["iteration"] == 3

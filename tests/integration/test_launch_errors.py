@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -21,10 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from ckpt_formats import without_manifest_as_format_2
 from conftest import FakeStore
 from hla_sp.launch import errors
 from hla_sp.launch.cli.commands import main as cli_main
-from hla_sp.launch.distributed import faults, torchrun
+from hla_sp.launch.distributed import faults, signals, torchrun
 from hla_sp.launch.distributed.local import worker_env
 
 HLA_SP = os.path.join(os.path.dirname(sys.executable), "hla-sp")
@@ -141,23 +141,37 @@ def test_data_checks_run_in_the_launcher(
 # --- the "nothing to do" hint --------------------------------------------------------------
 
 
-def test_nothing_to_do_gives_a_command_that_runs_as_printed(
+def test_nothing_to_do_gives_the_flags_that_train_further(
     run_dir: Path, no_torchrun: None, capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.chdir(run_dir)
     # said by the launcher, which starts nothing
-    assert cli_main(["train", *TINY, "--train-iters", "2", "--save", "ck", "--load", "ck"]) == 0
+    argv = ["train", *TINY, "--train-iters", "2", "--save", "ck", "--load", "ck"]
+    assert cli_main(argv) == 0
     out, err = capsys.readouterr()
     assert err == ""
     line = _one_line(out)
-    m = re.search(r"to train further: (hla-sp train .*?)(; |$)", line)
+    m = re.search(r"; to train further, rerun with: (.*?) \(a fresh cosine decay from --lr "
+                  r"0\.001 to --min-lr 0\.0001 over iterations 3-4; --train-iters 4 "
+                  r"--use-checkpoint-opt_param-scheduler instead keeps the checkpoint's "
+                  r"schedule, at --min-lr 0\.0001\)$", line)
     assert line.startswith("nothing to do: the checkpoint in ck is at iteration 2") and m, line
-    argv = shlex.split(m.group(1))
-    assert "--train-iters" in argv and argv[argv.index("--train-iters") + 1] == "4"
-    q = _hla_sp(argv[1:], run_dir)  # exactly as printed
+    flags = m.group(1)
+    assert flags == "--train-iters 4 --lr-warmup-iters 2 --override-opt_param-scheduler"
+    # the run's own command with those flags set, as the line says
+    q = _hla_sp(signals.edit_command(argv, set_values={
+        "--train-iters": ["4"], "--lr-warmup-iters": ["2"],
+        "--override-opt_param-scheduler": []}), run_dir)
     assert q.returncode == 0, q.stdout[-2000:] + q.stderr[-2000:]
     assert "iter     4/4" in q.stdout, q.stdout
+    # the fresh decay: iteration 3 back at --lr (the warmup ends at the checkpoint),
+    # iteration 4 half-way down the cosine to --min-lr (1e-4), where it ends
+    lrs = re.findall(r"iter +\d/4 \| loss \S+ \| lr (\S+)", q.stdout)
+    assert [float(x) for x in lrs] == [1e-3, 5.5e-4], q.stdout
+    # and the run names what to do next
+    assert "next:\n  hla-sp generate --load ck --prompt 'def ' --max-new-tokens 200\n" in q.stdout
+    assert "\n  to train further, rerun with: --train-iters 8 --lr-warmup-iters 4 (" in q.stdout
     assert (run_dir / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
 
 
@@ -167,7 +181,7 @@ def test_nothing_to_do_gives_a_command_that_runs_as_printed(
 def _corrupt_model_state(ck: Path) -> None:
     """Truncate every rank's model state; without the file digests (a checkpoint of an
     older version), so that the read itself fails in the workers, on every rank."""
-    (ck / "iter_0000002" / "manifest.json").unlink(missing_ok=True)
+    without_manifest_as_format_2(ck / "iter_0000002")
     for f in (ck / "iter_0000002" / "model_optim").glob("*.distcp"):
         with open(f, "r+b") as fh:
             fh.truncate(f.stat().st_size // 2)

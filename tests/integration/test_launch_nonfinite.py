@@ -1,8 +1,9 @@
 """A run whose loss or gradient norm goes non-finite stops before the optimizer step,
 saves and prunes nothing, says so in one line naming the iteration, the value and the
 checkpoint to resume from, and exits non-zero (Megatron's
---check-for-nan-in-loss-and-grad, on by default). With the check off it trains on, and
---keep-last still keeps the newest finite checkpoint and the one the run loaded."""
+--check-for-nan-in-loss-and-grad, on by default). --keep-last keeps the newest finite
+checkpoint and the one the run loaded (the check turned off:
+tests/integration/test_nonfinite_probes.py)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,12 @@ import json
 import math
 from pathlib import Path
 
-import pytest
 from conftest import tiny_flags
 from hla_sp.launch import checkpoint
-from hla_sp.launch.checkpoint import manifest
 from hla_sp.launch.config.train_config import parse_args
 from hla_sp.launch.distributed.local import run_local
 from hla_sp.launch.train.main import run
+from hla_sp.launch.train.nonfinite import HINT
 
 TINY = tiny_flags(1, 32, "--lr", "3e-3", "--seed", "7", "--micro-batch-size", "2")
 # the issue's reproduction: an absurd constant rate makes the weights blow up
@@ -49,51 +49,32 @@ def test_non_finite_training_stops_in_one_line_with_nothing_saved(tmp_path: Path
     assert stop <= 12, out.output[-3000:]
     lines = [x for x in out.output.splitlines() if "non-finite" in x]
     assert len(lines) == 1, out.output[-3000:]
-    good = stop - 1  # the newest checkpoint, finite
+    what = lines[0].split('non-finite ')[1].split(' at ')[0]
+    # a NaN loss comes from the forward of the newest checkpoint's weights: the one before
+    # (here the loaded one, which --keep-last 1 kept) is named; else the newest
+    forward = what.startswith("loss")
+    good = 2 if forward else stop - 1
+    first = json.loads((Path(checkpoint.iter_dir(str(ck), 2)) / "manifest.json").read_text())
+    losses = {2: first["loss"], **{r["iteration"]: r["loss"] for r in out.records}}
+    low = min(losses, key=lambda it: (losses[it], -it))  # the newest of equal losses
+    also = (f"; the lowest-loss one is iteration {low} (loss {losses[low]:.4g})"
+            if low != good and low <= good else "")
     assert lines[0] == (
-        f"hla-sp train: error: non-finite {lines[0].split('non-finite ')[1].split(' at ')[0]}"
-        f" at iteration {stop}: stopped before the optimizer step, nothing saved; the last "
-        f"finite checkpoint is iteration {good} in {ck}: resume with --load {ck} --ckpt-step "
-        f"{good} (lower --lr, or --no-check-for-nan-in-loss-and-grad to train on regardless)")
+        f"hla-sp train: error: non-finite {what} at iteration {stop}: stopped before the "
+        f"optimizer step, nothing saved; the last checkpoint whose forward is finite is "
+        f"iteration {good} in {ck}: resume with --load {ck} --ckpt-step {good}{also} "
+        f"{HINT}"), lines[0]
     assert "loss (nan)" in lines[0] or "grad-norm (" in lines[0], lines[0]
-    # --keep-last 1 kept it, and the one the run loaded
-    assert checkpoint.complete_iterations(str(ck)) == sorted({2, good})
-    assert checkpoint.latest_iteration(str(ck)) == good
-    body = json.loads((Path(checkpoint.iter_dir(str(ck), good)) / "manifest.json").read_text())
-    assert body["finite"] is True
+    # --keep-last 1 kept the newest, the one the run loaded and the lowest-loss one
+    assert checkpoint.complete_iterations(str(ck)) == sorted({2, stop - 1, low})
+    assert checkpoint.latest_iteration(str(ck)) == stop - 1
+    body = json.loads((Path(checkpoint.iter_dir(str(ck), stop - 1)) / "manifest.json"
+                       ).read_text())
+    assert body["finite"] is not forward
     # both ranks' files are in the manifest, which the stop did not touch
     assert {"rng_rank00000.pt", "rng_rank00001.pt"} <= set(body["files"])
     assert f"iter_{stop:07d}" not in out.output  # not saved, not even begun
     assert not (ck / checkpoint.LOCK).exists()  # released on the way out
-
-
-def test_without_the_check_keep_last_keeps_the_newest_finite_checkpoint(
-    tmp_path: Path,
-) -> None:
-    """--no-check-for-nan-in-loss-and-grad saves the NaN iteration (until the HLA
-    operators refuse its NaN decay, an error exit); --keep-last 1 keeps the finite
-    checkpoint before it, and the error exit released --save's lock."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    ck = tmp_path / "ck"
-    records: list[dict] = []
-    try:
-        with pytest.raises(ValueError, match="got max nan"):
-            run(parse_args([*TINY, "--train-iters", "6", "--save", str(ck), *BLOW_UP,
-                            "--no-check-for-nan-in-loss-and-grad"]),
-                on_record=records.append, exit_on_error=False)
-    finally:  # run() leaves the group to its caller when it raises
-        ps.destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    assert not math.isfinite(records[-1]["loss"]), records  # it trained on through NaN
-    kept = checkpoint.complete_iterations(str(ck))
-    finite = [manifest.is_finite(checkpoint.iter_dir(str(ck), it)) for it in kept]
-    # the newest (non-finite) one, and the newest finite one before it
-    assert kept[-1] == records[-1]["iteration"] and finite == [True, False], (kept, finite)
-    assert checkpoint.newest_finite(str(ck)) == kept[0]
-    assert not (ck / checkpoint.LOCK).exists()
 
 
 def test_keep_last_never_deletes_the_newest_finite_or_the_loaded_checkpoint(

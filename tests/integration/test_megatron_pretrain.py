@@ -73,8 +73,9 @@ def pretrain(version: str, nproc: int, *argv: str, base: list[str] = BASE,
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(SHIM), str(MCORE_DIR / version)]),
         HLA_SP_MEGATRON_CPU_SHIM="1", CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1",
-        PYTHONWARNINGS="ignore", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **(env_extra or {}),
+        PYTHONWARNINGS="ignore", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
     )
+    env.update(env_extra or {})  # may replace PYTHONPATH (a --spec module's folder added)
     entry = ["-m", "hla_sp.megatron_patch.pretrain_gpt", *base, *argv]
     if nproc == 1:  # the command as a user types it
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")

@@ -114,7 +114,7 @@ def test_another_hosts_holder_is_refused_naming_the_flag_that_breaks_it(
         in capsys.readouterr().err
     path.write_bytes(b"\x00garbage")  # unreadable: nobody can say whose it is
     with pytest.raises(checkpoint.SaveLockError,
-                       match=r"its record is unreadable.*--break-save-lock"):
+                       match=r"save.lock: not a lock record.*--break-save-lock"):
         checkpoint.SaveLock(str(save)).acquire()
 
 
