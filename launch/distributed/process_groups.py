@@ -6,6 +6,7 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -17,6 +18,22 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+
+def parallel_state() -> ModuleType:
+    """megatron-core's ``parallel_state`` (the parallel groups), imported on first use:
+    with :func:`tensor_parallel`, launch's one import of it (the megatron extra)."""
+    from megatron.core import parallel_state as ps
+
+    return ps
+
+
+def tensor_parallel() -> ModuleType:
+    """megatron-core's ``tensor_parallel`` (TP regions and attributes), on first use."""
+    from megatron.core import tensor_parallel as tp
+
+    return tp
 
 
 @dataclass
@@ -41,9 +58,7 @@ class Topology:
     @property
     def cp_group(self) -> Any:
         """Megatron's context-parallel process group of this rank (a world of one at CP 1)."""
-        from megatron.core import parallel_state as ps
-
-        return ps.get_context_parallel_group()
+        return parallel_state().get_context_parallel_group()
 
 
 def init_distributed(tp: int, cp: int, timeout_minutes: float) -> Topology:
@@ -53,7 +68,7 @@ def init_distributed(tp: int, cp: int, timeout_minutes: float) -> Topology:
     becomes a world of one on a free local port. If a process group exists already
     (Ray Train makes one), it is used as is.
     """
-    from megatron.core import parallel_state as ps
+    ps = parallel_state()
 
     cuda = torch.cuda.is_available()
     owns = not dist.is_initialized()
@@ -92,8 +107,6 @@ def init_distributed(tp: int, cp: int, timeout_minutes: float) -> Topology:
 
 def shutdown(topo: Topology) -> None:
     """Tear down Megatron's groups, and the default group if we made it."""
-    from megatron.core import parallel_state as ps
-
-    ps.destroy_model_parallel()
+    parallel_state().destroy_model_parallel()
     if topo.owns_process_group and dist.is_initialized():
         dist.destroy_process_group()

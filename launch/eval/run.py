@@ -37,6 +37,7 @@ from hla_sp.launch.distributed import drills, faults  # noqa: E402
 from hla_sp.launch.distributed.process_groups import (  # noqa: E402
     Topology,
     init_distributed,
+    parallel_state,
     shutdown,
 )
 from hla_sp.launch.errors import ConfigError  # noqa: E402
@@ -55,13 +56,12 @@ PROG = "hla-sp eval"
 def _local(tokens: np.ndarray, device: torch.device) -> dict[str, torch.Tensor]:
     """This rank's share of one sequence of ``length + 1`` tokens: inputs, labels and
     global positions [1, length / P] each."""
-    from megatron.core import parallel_state as ps
-
     x = torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64)).to(device)
     n = x.numel() - 1
     return cp_split({
         "tokens": x[None, :-1], "labels": x[None, 1:],
-        "position_ids": torch.arange(n, device=device)[None]}, ps.get_context_parallel_group())
+        "position_ids": torch.arange(n, device=device)[None]},
+        parallel_state().get_context_parallel_group())
 
 
 def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ from hla_sp.launch.checkpoint.run_config import saved_losses
 from hla_sp.launch.config.flags import OneLineParser
 from hla_sp.launch.config.train_config import ConfigError, TrainConfig
 from hla_sp.launch.data.tokenizer import RunTokenizer, load_run_tokenizer, load_tokenizer
+from hla_sp.launch.distributed.process_groups import parallel_state
 from hla_sp.launch.model.build import build_model, model_dtype, softmax_layers
 from hla_sp.launch.progress import Progress
 
@@ -155,7 +156,7 @@ def _quiet_megatron() -> None:
 def single_process() -> Iterator[None]:
     """A process group of one and Megatron's model-parallel groups (TP = CP = 1) for the
     model's construction; torn down after, when this call made them."""
-    from megatron.core import parallel_state as ps
+    ps = parallel_state()
 
     made_group = not dist.is_initialized()
     if made_group:

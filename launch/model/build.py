@@ -14,16 +14,33 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from hla_sp.launch.config.train_config import TrainConfig
+from hla_sp.launch.distributed.process_groups import tensor_parallel
 from hla_sp.launch.model.compiling import compile_layers
 from hla_sp.launch.model.estimate import loss_chunk_tokens
 from hla_sp.launch.model.loss import install_loss
-from hla_sp.megatron_patch.hybrid import hybrid_block_spec, layer_pattern
+from hla_sp.megatron_patch.hybrid import assert_hybrid_model, hybrid_block_spec, layer_pattern
 from torch.utils.checkpoint import checkpoint
 
+
+def _megatron_gpt() -> SimpleNamespace:
+    """megatron-core's GPT, its local layer spec and TransformerConfig, and the HLA layer
+    spec and model check of ``hla_sp.megatron_patch`` (which need it), imported on first
+    use: the model subpackage's one import of the megatron extra."""
+    from hla_sp.megatron_patch.checks import assert_hla_model
+    from hla_sp.megatron_patch.specs import get_hla_layer_local_spec
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    return SimpleNamespace(GPTModel=GPTModel, TransformerConfig=TransformerConfig,
+                           get_gpt_layer_local_spec=get_gpt_layer_local_spec,
+                           get_hla_layer_local_spec=get_hla_layer_local_spec,
+                           assert_hla_model=assert_hla_model)
 
 def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
     """Megatron's padding: a multiple of ``divisible_by * tp`` (the model masks the padding
@@ -35,18 +52,12 @@ def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
 def layer_spec(cfg: TrainConfig) -> Any:
     """The transformer layer spec: HLA core attention from ``hla_sp.megatron_patch``."""
     if cfg.model.attention == "softmax":  # Megatron untouched (DotProductAttention needs CUDA)
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-        return get_gpt_layer_local_spec()
-    from hla_sp.megatron_patch import get_hla_layer_local_spec
-
-    spec = get_hla_layer_local_spec(cfg.hla)  # the run's HLAConfig, whole
+        return _megatron_gpt().get_gpt_layer_local_spec()
+    spec = _megatron_gpt().get_hla_layer_local_spec(cfg.hla)  # the run's HLAConfig, whole
     if cfg.model.hla_layer_pattern is None:
         return spec
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
     pattern = layer_pattern(cfg.model.hla_layer_pattern, cfg.model.num_layers)
-    return hybrid_block_spec(pattern, spec, get_gpt_layer_local_spec())
+    return hybrid_block_spec(pattern, spec, _megatron_gpt().get_gpt_layer_local_spec())
 
 
 def softmax_layers(cfg: TrainConfig) -> str | None:
@@ -67,9 +78,7 @@ def model_dtype(cfg: TrainConfig) -> torch.dtype:
 def transformer_config(cfg: TrainConfig, device: torch.device | None = None) -> Any:
     """megatron-core's TransformerConfig for this run (weights initialised on ``device``
     when it is a CUDA device, else on the CPU)."""
-    from megatron.core.transformer import TransformerConfig
-
-    return TransformerConfig(
+    return _megatron_gpt().TransformerConfig(
         num_layers=cfg.model.num_layers,
         hidden_size=cfg.model.hidden_size,
         num_attention_heads=cfg.model.num_attention_heads,
@@ -142,18 +151,14 @@ def build_model(
 ) -> torch.nn.Module:
     """The GPTModel (pre/post process on: no pipeline parallelism), recompute applied;
     on a CUDA ``device`` every weight is created there, not on the host."""
-    from megatron.core.models.gpt import GPTModel
-
     on_gpu = device is not None and device.type == "cuda"
     if on_gpu:
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
         # Megatron's GPU initialisation draws from this tracker (one stream per TP rank)
-        model_parallel_cuda_manual_seed(cfg.optimizer.seed)
+        tensor_parallel().model_parallel_cuda_manual_seed(cfg.optimizer.seed)
     # the default device catches what Megatron does not place itself (the position
     # table, HLA's own parameters)
     with torch.device(device) if on_gpu else contextlib.nullcontext():
-        model = _gpt(GPTModel, cfg, vocab_size, device)
+        model = _gpt(_megatron_gpt().GPTModel, cfg, vocab_size, device)
     install_loss(model, vocab_size, loss_chunk_tokens(cfg))
     if cfg.performance.compile:  # before recompute, which then wraps the compiled layers
 
@@ -184,11 +189,7 @@ def _gpt(gpt: Any, cfg: TrainConfig, vocab_size: int, device: torch.device | Non
 def _check_attention(cfg: TrainConfig, model: torch.nn.Module) -> None:
     """The built model really runs the attention asked for."""
     if cfg.model.hla_layer_pattern is not None:
-        from hla_sp.megatron_patch.hybrid import assert_hybrid_model, layer_pattern
-
         assert_hybrid_model(model, layer_pattern(cfg.model.hla_layer_pattern, cfg.model.num_layers),
                             cfg.model.attention)
     elif cfg.model.attention != "softmax":
-        from hla_sp.megatron_patch import assert_hla_model
-
-        assert_hla_model(model, cfg.model.attention)
+        _megatron_gpt().assert_hla_model(model, cfg.model.attention)

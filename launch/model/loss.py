@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from hla_sp.launch.distributed.process_groups import parallel_state, tensor_parallel
 from hla_sp.megatron_patch.vocab import PaddedVocabMask, mask_padded_vocab, padding_columns
 from torch import Tensor
 
@@ -151,10 +152,7 @@ def chunked_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, chunk:
     if list(labels.shape) != [b, s]:
         raise ValueError(f"labels: expected shape [b, s] = {[b, s]}, got {list(labels.shape)}")
     if group is not None and dist.get_world_size(group) > 1:
-        # megatron-core only under TP (the extra is imported where it is needed)
-        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
-
-        hidden = copy_to_tensor_model_parallel_region(hidden, group=group)
+        hidden = tensor_parallel().copy_to_tensor_model_parallel_region(hidden, group=group)
     else:
         group = None
     first = rank * weight.shape[0]
@@ -206,8 +204,6 @@ class _ChunkedPost:
         if vocab.per_rank != vocab.full:
             group = getattr(layer, "tp_group", None)
             if group is None:  # a megatron-core without the layer's own group
-                from megatron.core import parallel_state
-
-                group = parallel_state.get_tensor_model_parallel_group()
+                group = parallel_state().get_tensor_model_parallel_group()
         return chunked_cross_entropy(kw["hidden_states"], weight, kw["labels"], self.chunk,
                                      vocab.vocab_size, vocab.rank, group)

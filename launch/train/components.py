@@ -21,7 +21,7 @@ from hla_sp.launch import checkpoint
 from hla_sp.launch.config.train_config import TrainConfig
 from hla_sp.launch.data.datasets import config_samples, infer_vocab_size
 from hla_sp.launch.distributed.dist_optimizer import local, shard_model
-from hla_sp.launch.distributed.process_groups import Topology
+from hla_sp.launch.distributed.process_groups import Topology, parallel_state, tensor_parallel
 from hla_sp.launch.model.build import build_model, model_dtype
 from hla_sp.launch.model.estimate import model_flops_per_token
 from hla_sp.launch.train import metrics
@@ -83,8 +83,9 @@ class ModelParts:
 
     @classmethod
     def build(cls, cfg: TrainConfig, vocab: int, topo: Topology) -> ModelParts:
-        from megatron.core import parallel_state as ps
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        ps = parallel_state()
 
         opt, prec = cfg.optimizer, cfg.precision
         # identical initial weights on every rank: Megatron's CPU init draws the whole
@@ -139,7 +140,8 @@ class ModelParts:
         """Clip by the global L2 norm; TP-duplicated parameters are counted once. Return
         the norm and ``loss_sum``, read from the device together: the step's one host
         read serves the clip, the non-finite check and the record."""
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        param_is_not_tensor_parallel_duplicate = (
+            tensor_parallel().param_is_not_tensor_parallel_duplicate)
 
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
         pairs = list(zip(self.masters.params, self.masters.main))

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from hla_sp.launch.config.train_config import TrainConfig
 from hla_sp.launch.data.datasets import microbatches
 from hla_sp.launch.distributed import drills, faults, signals
-from hla_sp.launch.distributed.process_groups import Topology
+from hla_sp.launch.distributed.process_groups import Topology, tensor_parallel
 from hla_sp.launch.model.loss import masked_loss_sum, token_losses
 from hla_sp.launch.train import metrics
 from hla_sp.launch.train.components import CheckpointManager, ModelParts, RunMetrics, TrainData
@@ -121,11 +121,9 @@ class Trainer:
     def _predicted(self, b: dict[str, torch.Tensor]) -> torch.Tensor:
         """The argmax token at every position [b, s_local]; logits are vocab-parallel
         under TP, so the shards are gathered first."""
-        from megatron.core import tensor_parallel
-
         logits = self.model(b["tokens"], b["position_ids"], None)  # [b, s, vocab / TP]
         if self.topo.tp > 1:
-            logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+            logits = tensor_parallel().gather_from_tensor_model_parallel_region(logits)
         return logits.argmax(-1)
 
     def step(self) -> dict[str, Any]:
