@@ -85,7 +85,7 @@ def test_megatrons_tp_advice_does_not_break_the_one_line_stop() -> None:
     import subprocess
     import sys
 
-    code = ("import warnings, hla_sp.launch.train\n"
+    code = ("import warnings, hla_sp.launch.train.main\n"
             "warnings.warn_explicit('When using async grad allreduce it is recommended to set "
             "the environment variable CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup', "
             "UserWarning, 'layers.py', 738, module='megatron.core.tensor_parallel.layers')\n"
