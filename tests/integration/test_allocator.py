@@ -1,4 +1,4 @@
-"""hla-sp train's allocator policy for its workers (hla_sp.launch.allocator): glibc's
+"""hla-sp train's allocator policy for its workers (hla_sp.launch.distributed.allocator): glibc's
 thresholds at 1 GiB unless the user chose the allocator, whose setting then reaches the
 workers untouched; and the losses are bitwise those of the earlier policy."""
 
@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hla_sp.launch.allocator import POLICY, set_worker_allocator
+from hla_sp.launch.distributed.allocator import POLICY, set_worker_allocator
 
 HLA_SP = os.path.join(os.path.dirname(sys.executable), "hla-sp")
 # imported by --custom-import in the launcher and every worker: what each one runs with
