@@ -44,6 +44,7 @@ ARCHS = {"sm_90a": 90, "sm_80": 80}
 SHARED_LIMIT = {"sm_90a": 232_448, "sm_80": 166_912}  # opt-in max per block, bytes
 # what a compile depends on besides the job itself (launchers only choose the jobs)
 KERNEL_FILES = ("_decay.py", "_jit.py", "_round.py", "chunk_fwd_kernels.py", "chunk_bwd_kernels.py",
+                "chunk_h_kernels.py",
                 "hla2_fused_kernels.py")
 TABLE_BEGIN = "<!-- aot-table:begin (make gpu-aot writes this table) -->"
 TABLE_END = "<!-- aot-table:end -->"

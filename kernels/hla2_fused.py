@@ -44,12 +44,16 @@ from .chunk import (
     chunk_tile,
     dot_precision,
     prepare,
-    state_passing,
     tile_width,
     tiling,
     upcast_bf16,
 )
-from .hla2_fused_kernels import fused_hla2_fwd_kernel, hla2_fwd_o_kernel, hla2_state_kernel
+from .hla2_fused_kernels import (
+    fused_hla2_fwd_kernel,
+    hla2_fwd_o_kernel,
+    hla2_state_kernel,
+    state_passing_kernel,
+)
 
 MAX_FUSED_K = 128  # the sequential program holds a K x K fp32 state
 # fp32 operands double the K x K tiles the sequential program stages in shared memory:
@@ -215,14 +219,15 @@ def fused_hla2_fwd(
     if mode == "chunked":
         BK, BV = tile_width(K, tl_.block), tile_width(V, tl_.block)
         NK, NV = triton.cdiv(K, BK), triton.cdiv(V, BV)
-        Ss, S_T = chunk_states(k, k, g, resets, S0, BT)  # stage-1 states entering each chunk
+        # stage-1 states entering each chunk, fp32 (the kernels below read them so)
+        Ss, S_T = chunk_states(k, k, g, resets, S0, BT, dtype=torch.float32)
         hs = torch.empty(B, H, N, K, V, dtype=torch.float32, device=q.device)
         hla2_state_kernel[(N, NK * NV, B * H)](
             q, k, v, Ss, g, resets, hs, float(ridge), T, H, K, V, N,
             BT=BT, BK=BK, BV=BV, **flags, num_warps=tl_.num_warps, num_stages=tl_.num_stages,
         )
         H_T = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device)
-        state_passing(hs, g, resets, H0, H_T, T, BT, reverse=False)
+        state_passing(hs, g, resets, H0, H_T, T, BT)
         hla2_fwd_o_kernel[(N, NV, B * H)](
             q, k, v, Ss, hs, g, resets, o, float(ridge), T, H, K, V, N,
             BT=BT, BK=tile_width(K, tl_.narrow), BV=BV, **flags, num_warps=tl_.num_warps,
@@ -271,6 +276,30 @@ def fused_hla2_bwd(
     dg = None if g is None else dg1 + dg2  # type: ignore[operator]
     return dq.to(q.dtype), dk.to(k.dtype), dv, dg, dS0, dH0
 
+
+
+def state_passing(
+    hs: torch.Tensor,
+    g: torch.Tensor | None,
+    resets: torch.Tensor | None,
+    h_init: torch.Tensor | None,
+    h_last: torch.Tensor | None,
+    T: int,
+    BT: int,
+) -> None:
+    """Launch :func:`state_passing_kernel` on the stage-2 chunk summands hs
+    [B, H, N, DX, DY] fp32 (in place: afterwards the states entering each chunk).
+
+    No dot here, so the state is cut into 32 x 32 blocks: a sequential loop over the
+    chunks is latency bound, and more programs per head hide more of it.
+    """
+    B, H, N, DX, DY = hs.shape
+    BX, BY = tile_width(DX, 32), tile_width(DY, 32)
+    state_passing_kernel[(triton.cdiv(DX, BX) * triton.cdiv(DY, BY), B * H)](
+        hs, g, resets, h_init, h_last, T, H, DX, DY, N,
+        BT=BT, BX=BX, BY=BY, REVERSE=False, HAS_G=g is not None, HAS_R=resets is not None,
+        HAS_INIT=h_init is not None, STORE_LAST=h_last is not None,
+    )
 
 
 def fused_hla2_forward(

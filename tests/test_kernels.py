@@ -153,7 +153,8 @@ def test_chunk_fwd_bwd_fp32(
     torch32 = run(chunk_linear_attention, x, torch.float32, use_h0=use_h0)
     before = launches()
     tri = run(interp.fn, x, torch.float32, use_h0=use_h0)
-    assert launches() - before >= 7, "the Triton kernels did not run"
+    # forward: states, output; backward: states again, their gradients, dv, dq/dk/dg
+    assert launches() - before == 6, "the Triton kernels did not run"
     assert tri["o"].dtype == torch.float32 and tri["h_T"].dtype == torch.float32
     mag, d = magnitudes(x, use_h0=use_h0), depth(T, K, V, x["g"])
     check_all(tri, ref, mag, d)
