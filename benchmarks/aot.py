@@ -231,6 +231,7 @@ def _compile_one(job: dict[str, Any], arch: str, src_hash: str) -> dict[str, Any
     try:
         import hla_sp.kernels.chunk_bwd_kernels
         import hla_sp.kernels.chunk_fwd_kernels
+        import hla_sp.kernels.chunk_h_kernels
         import hla_sp.kernels.hla2_fused_kernels  # noqa: F401
         import triton
         from hla_sp.kernels._jit import KERNELS

@@ -56,86 +56,15 @@ computes in fp64.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import triton
 
 from ._precision import dot_precision, upcast_bf16
+from ._tiles import Config, primitive_chunk, tuned
 from .chunk_bwd_kernels import chunk_bwd_dqk_kernel, chunk_bwd_dv_kernel
 from .chunk_fwd_kernels import chunk_fwd_o_kernel
 from .chunk_h_kernels import chunk_bwd_dh_kernel, chunk_fwd_h_kernel
-
-MIN_CHUNK = 16  # tl.dot needs every dimension >= 16
-MAX_CHUNK = 64  # larger tiles only add register pressure
-
-
-BLOCK_CAP = 64  # largest K or V tile; tests lower it to 16 to exercise several blocks
-
-
-def tile_width(d: int, cap: int | None = None) -> int:
-    """The BK / BV tile for a dimension d: a power of two covering d (at least 16 for
-    tl.dot), at most ``cap`` and :data:`BLOCK_CAP`."""
-    cap = BLOCK_CAP if cap is None else min(cap, BLOCK_CAP)
-    return min(max(16, triton.next_power_of_2(d)), cap)
-
-
-@dataclass(frozen=True)
-class Tiling:
-    """Tile caps and warps for one input dtype and dot precision.
-
-    Chosen with the ahead-of-time gate (``benchmarks/aot.py``, ``make gpu-aot``), which
-    compiles every launched configuration for sm_90a and sm_80 and refuses spills.
-    """
-
-    chunk: int  # largest BT (chunk length)
-    block: int  # largest BK / BV
-    num_warps: int
-    # K tile of the kernels with the most live tiles (dq/dk, hla2's output): each holds
-    # several [BT, BT] and [BT, BK] fp32 tiles at once, and spilled 12-304 B at 32
-    narrow: int = 16
-    # software-pipelining depth of the loops over K/V blocks; fewer stages hold fewer
-    # loads in flight, which is what the last few spilled bytes were
-    num_stages: int = 3
-    narrow_stages: int = 3  # dq/dk's
-
-
-def tiling(dtype: torch.dtype) -> Tiling:
-    """The launch shape for inputs of ``dtype`` (and torch's fp32 matmul precision).
-
-    Measured with the gate (per thread, chunk 64, K = V = 128, every flag on): at
-    64-wide K/V tiles and 4 warps the output and gradient kernels spill on both archs,
-    0.7-2.5 KB with tensor-core dots (bf16, fp16, TF32; 14-16 KB for bf16 dq/dk on
-    sm_80), and IEEE fp32 dots, which have no tensor-core form and become FMA code,
-    fall to 32 registers with 2-60 KB of spills. 32-wide tiles and 8 warps halve each
-    thread's share of the [BT, BT] and [BT, BK] tiles; IEEE fp32 also needs 32-token
-    chunks (dq/dk still spilled 0.2 KB at 64).
-
-    The full matrix (every chunk size, K = V = 32 too) left 4-44 B on sm_80 with 3
-    stages: IEEE fp32 at 32-token chunks (output, dv, hla2 state; 1 stage cleans
-    sm_80 but leaves 4-12 B on sm_90a, 16-token chunks are clean on both), TF32 at
-    64-token chunks (32 is clean) and bf16/fp16 dq/dk at K = 32 (2 stages is clean).
-    IEEE fp32 dots are FMA code, so 16-token chunks cost them no tensor-core shape.
-    Cleaning the loads of non-finite values (document isolation) added 4-232 B of
-    spills to the 16-bit output, dv, dq/dk and hla2-state kernels at 64-token chunks
-    with a decay on sm_80; 16-bit inputs therefore use 32-token chunks, as TF32 does.
-    """
-    if dtype == torch.float32:
-        if dot_precision(dtype) == "ieee":
-            return Tiling(chunk=16, block=32, num_warps=4)
-        return Tiling(chunk=32, block=32, num_warps=8)
-    return Tiling(chunk=32, block=32, num_warps=8, narrow_stages=2)
-
-
-def chunk_tile(chunk_size: int, dtype: torch.dtype | None = None) -> int:
-    """The Triton chunk length for a requested ``chunk_size`` (and input ``dtype``).
-
-    The result does not depend on the chunk length (up to rounding), so the kernels
-    clamp it to [16, 64] (tl.dot needs 16, larger tiles only cost registers), and to
-    the dtype's :func:`tiling` cap.
-    """
-    cap = MAX_CHUNK if dtype is None else tiling(dtype).chunk
-    return min(max(chunk_size, MIN_CHUNK), cap)
 
 
 def group_sum(x: torch.Tensor, dim: int, G: int) -> torch.Tensor:
@@ -144,6 +73,18 @@ def group_sum(x: torch.Tensor, dim: int, G: int) -> torch.Tensor:
     if G == 1:
         return x
     return x.unflatten(dim, (-1, G)).sum(dim + 1)
+
+
+def _flags(q: torch.Tensor, g: torch.Tensor | None, resets: torch.Tensor | None) -> dict:
+    """The constexpr flags every kernel of a call shares."""
+    return dict(HAS_G=g is not None, HAS_R=resets is not None,
+                DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_bf16(q.dtype))
+
+
+def _key(*tensors: torch.Tensor | None, **extra: object) -> tuple:
+    """The tuning key of a launch: which optional inputs are present, the dtypes and
+    the constexprs that change the code (the dims are added by :func:`tuned`)."""
+    return (*(None if t is None else t.dtype for t in tensors), *sorted(extra.items()))
 
 
 def chunk_states(
@@ -161,7 +102,7 @@ def chunk_states(
     Args:
         k: [B, T, H, K], v: [B, T, H, V], g: [B, T, H] fp32 or None,
         resets: [B, T] int32 or None, h0: [B, H, K, V] fp32 or None.
-        dtype: of the per-chunk states; None: k's for 16-bit inputs, else fp32.
+        dtype: of the per-chunk states; None: :func:`state_dtype`.
 
     Returns:
         hs: [B, H, N, K, V], the state entering chunk n; h_last: [B, H, K, V] fp32.
@@ -169,16 +110,17 @@ def chunk_states(
     B, T, H, K = k.shape
     V = v.shape[-1]
     N = triton.cdiv(T, BT)
-    tl_ = tiling(k.dtype)
-    BK, BV = tile_width(K, tl_.block), tile_width(V, tl_.block)
     hs = torch.empty(B, H, N, K, V, dtype=dtype or state_dtype(k.dtype), device=k.device)
     h_last = torch.empty(B, H, K, V, dtype=torch.float32, device=k.device) if store_last else None
-    chunk_fwd_h_kernel[(triton.cdiv(K, BK), triton.cdiv(V, BV), B * H)](
-        k, v, g, resets, h0, hs, h_last, T, H, K, V, N,
-        BT=BT, BK=BK, BV=BV, HAS_G=g is not None, HAS_R=resets is not None,
-        HAS_INIT=h0 is not None, STORE_LAST=store_last, DOT_PREC=dot_precision(k.dtype),
-        UPCAST=upcast_bf16(k.dtype), num_warps=tl_.num_warps, num_stages=tl_.num_stages,
-    )
+
+    def launch(c: Config) -> None:
+        chunk_fwd_h_kernel[(triton.cdiv(K, c.BK), triton.cdiv(V, c.BV), B * H)](
+            k, v, g, resets, h0, hs, h_last, T, H, K, V, N,
+            BT=BT, BK=c.BK, BV=c.BV, HAS_INIT=h0 is not None, STORE_LAST=store_last,
+            **_flags(k, g, resets), num_warps=c.num_warps, num_stages=c.num_stages,
+        )
+
+    tuned("state", _key(k, hs, g, resets, h0, BT=BT, last=store_last), k.dtype, K, V, launch)
     return hs, h_last
 
 
@@ -206,19 +148,18 @@ def chunk_fwd(
     """
     B, T, HQ, K = q.shape
     V = v.shape[-1]
-    N = triton.cdiv(T, BT)
+    N, G = triton.cdiv(T, BT), HQ // k.shape[2]
     hs, h_last = chunk_states(k, v, g, resets, h0, BT)
     o = torch.empty(B, T, HQ, V, dtype=torch.float32, device=q.device)  # as the torch path
-    tl_ = tiling(q.dtype)
-    BK, BV = tile_width(K, tl_.block), tile_width(V, tl_.block)
-    chunk_fwd_o_kernel[(N, triton.cdiv(V, BV), B * HQ)](
-        q, k, v, hs, g, resets, o, T, HQ, K, V, N, HQ // k.shape[2],
-        BT=BT, BK=BK, BV=BV, HAS_G=g is not None, HAS_R=resets is not None,
-        DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_bf16(q.dtype),
-        # a group's separate q and kv offsets spilled 4 B at 4 warps (IEEE fp32, AOT gate)
-        num_warps=tl_.num_warps if k.shape[2] == HQ else max(8, tl_.num_warps),
-        num_stages=tl_.num_stages,
-    )
+
+    def launch(c: Config) -> None:
+        chunk_fwd_o_kernel[(N, triton.cdiv(V, c.BV), B * HQ)](
+            q, k, v, hs, g, resets, o, T, HQ, K, V, N, G,
+            BT=BT, BK=c.BK, BV=c.BV, **_flags(q, g, resets),
+            num_warps=c.num_warps, num_stages=c.num_stages,
+        )
+
+    tuned("out", _key(q, hs, o, g, resets, BT=BT, G=G), q.dtype, K, V, launch)
     assert h_last is not None
     return o, h_last
 
@@ -240,53 +181,57 @@ def chunk_bwd(
         do: [B, T, H G, V] contiguous, in q's dtype; dht: [B, H, K, V] fp32 or None.
 
     Returns:
-        dq [B, T, H G, K], dk [B, T, H, K], dv [B, T, H, V] in the input dtypes (fp32
-        for G > 1: the kernels' per-query-head shares are summed per group in fp32);
+        dq [B, T, H G, K], dk [B, T, H, K], dv [B, T, H, V] in the input dtypes;
         dg [B, T, H] fp32 (None without g); dh0 [B, H, K, V] fp32 (None without h0).
     """
     B, T, HQ, K = q.shape
     H, V = k.shape[2], v.shape[-1]
     G = HQ // H
     N = triton.cdiv(T, BT)
-    tl_ = tiling(q.dtype)
-    BK, BV = tile_width(K, tl_.block), tile_width(V, tl_.block)
-    NK, NV = triton.cdiv(K, BK), triton.cdiv(V, BV)
-    HAS_G, HAS_R = g is not None, resets is not None
-    prec = dot_precision(q.dtype)
-    nw = tl_.num_warps
+    flags = _flags(q, g, resets)
     # Recompute the states entering each chunk; then their gradients, in reverse.
     hs, _ = chunk_states(k, v, g, resets, h0, BT, store_last=False)
     dhs = torch.empty(B, H, N, K, V, dtype=hs.dtype, device=q.device)
     dh0 = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device) if h0 is not None else None
-    chunk_bwd_dh_kernel[(NK, NV, B * H)](
-        q, do, g, resets, dht, dhs, dh0, T, HQ, K, V, N, G,
-        BT=BT, BK=BK, BV=BV, HAS_G=HAS_G, HAS_R=HAS_R, HAS_FINAL=dht is not None,
-        STORE_INIT=h0 is not None, DOT_PREC=prec, UPCAST=upcast_bf16(q.dtype),
-        num_warps=nw, num_stages=tl_.num_stages,
-    )
+
+    def launch_dh(c: Config) -> None:
+        chunk_bwd_dh_kernel[(triton.cdiv(K, c.BK), triton.cdiv(V, c.BV), B * H)](
+            q, do, g, resets, dht, dhs, dh0, T, HQ, K, V, N, G,
+            BT=BT, BK=c.BK, BV=c.BV, HAS_FINAL=dht is not None, STORE_INIT=h0 is not None,
+            **flags, num_warps=c.num_warps, num_stages=c.num_stages,
+        )
+
+    tuned("state", _key(q, dhs, g, resets, dht, h0, BT=BT, G=G, bwd=True), q.dtype, K, V,
+          launch_dh)
     dq = torch.empty_like(q)
-    # per query head shares of dk, dv (and dA) for G > 1, summed per group below in fp32
+    # per query head shares of dk, dv for G > 1, summed per group below in fp32
     share = q.new_empty if G == 1 else functools.partial(q.new_empty, dtype=torch.float32)
     dk, dv = share(B, T, HQ, K), share(B, T, HQ, V)
-    BKn = tile_width(K, tl_.narrow)  # dq/dk's own K tile, and its number of K blocks
-    NKn = triton.cdiv(K, BKn)
-    # per K block shares of dg, summed below (one block at K <= the narrow tile)
-    dgs = torch.empty(NKn, B, T, HQ, dtype=torch.float32, device=q.device) if HAS_G else None
-    chunk_bwd_dv_kernel[(N, NV, B * HQ)](
-        q, k, do, dhs, g, resets, dv, T, HQ, K, V, N, G,
-        BT=BT, BK=BK, BV=BV, HAS_G=HAS_G, HAS_R=HAS_R, DOT_PREC=prec, UPCAST=upcast_bf16(q.dtype),
-        num_warps=nw, num_stages=tl_.num_stages,
-    )
-    chunk_bwd_dqk_kernel[(N, NKn, B * HQ)](
-        q, k, v, do, hs, dhs, g, resets, dq, dk, dgs, T, HQ, K, V, N, G,
-        BT=BT, BK=BKn, BV=BV, HAS_G=HAS_G, HAS_R=HAS_R, DOT_PREC=prec, UPCAST=upcast_bf16(q.dtype),
-        num_warps=nw, num_stages=tl_.narrow_stages,
-    )
+
+    def launch_dv(c: Config) -> None:
+        chunk_bwd_dv_kernel[(N, triton.cdiv(V, c.BV), B * HQ)](
+            q, k, do, dhs, g, resets, dv, T, HQ, K, V, N, G,
+            BT=BT, BK=c.BK, BV=c.BV, **flags, num_warps=c.num_warps, num_stages=c.num_stages,
+        )
+
+    def launch_dqk(c: Config) -> torch.Tensor | None:
+        NK = triton.cdiv(K, c.BK)
+        # per K block shares of dg, summed below (one block when BK covers K)
+        dgs = torch.empty(NK, B, T, HQ, dtype=torch.float32, device=q.device) if g is not None \
+            else None
+        chunk_bwd_dqk_kernel[(N, NK, B * HQ)](
+            q, k, v, do, hs, dhs, g, resets, dq, dk, dgs, T, HQ, K, V, N, G,
+            BT=BT, BK=c.BK, BV=c.BV, **flags, num_warps=c.num_warps, num_stages=c.num_stages,
+        )
+        return dgs
+
+    tuned("out", _key(q, dhs, dv, g, resets, BT=BT, G=G, dv=True), q.dtype, K, V, launch_dv)
+    dgs = tuned("dqk", _key(q, hs, dq, dk, g, resets, BT=BT, G=G), q.dtype, K, V, launch_dqk)
     if G > 1:
         dk, dv = group_sum(dk, 2, G).to(k.dtype), group_sum(dv, 2, G).to(v.dtype)
     dg = None
     if dgs is not None:
-        dg = group_sum(dgs[0] if NKn == 1 else dgs.sum(0), 2, G)
+        dg = group_sum(dgs[0] if dgs.shape[0] == 1 else dgs.sum(0), 2, G)
     return dq, dk, dv, dg, dh0
 
 
@@ -342,14 +287,13 @@ def chunk_forward(
         q: [B, T, H, K], already scaled; k: [B, T, H, K]; v: [B, T, H, V]
             (fp32, fp16 or bf16, one dtype). g: [B, T, H] log-decay or None.
         resets: [B, T] bool or None. h0: [B, H, K, V] or None.
-        chunk_size: requested chunk length, clamped to [16, 64] and the dtype's cap
-            (:func:`chunk_tile`).
+        chunk_size: requested chunk length, clamped to [16, 64] (:func:`primitive_chunk`).
 
     Returns:
         o [B, T, H, V] and h_last [B, H, K, V], both fp32 (the compute dtype).
     """
     qp, kp, vp, gp, rp, hp = prepare(q, k, v, g, resets, h0)
-    return chunk_fwd(qp, kp, vp, gp, rp, hp, chunk_tile(chunk_size, qp.dtype))
+    return chunk_fwd(qp, kp, vp, gp, rp, hp, primitive_chunk(chunk_size))
 
 
 def chunk_backward(
@@ -376,5 +320,5 @@ def chunk_backward(
     dhp = None if dht is None else torch.nan_to_num(dht.float(), nan=0.0, posinf=0.0, neginf=0.0)
     return chunk_bwd(
         qp, kp, vp, gp, rp, hp, do.to(qp.dtype).contiguous(),
-        None if dhp is None else dhp.contiguous(), chunk_tile(chunk_size, qp.dtype),
+        None if dhp is None else dhp.contiguous(), primitive_chunk(chunk_size),
     )

@@ -37,17 +37,9 @@ from __future__ import annotations
 import torch
 import triton
 
-from .chunk import (
-    chunk_bwd,
-    chunk_fwd,
-    chunk_states,
-    chunk_tile,
-    dot_precision,
-    prepare,
-    tile_width,
-    tiling,
-    upcast_bf16,
-)
+from ._precision import dot_precision, upcast_bf16
+from ._tiles import chunk_tile, tile_width, tiling
+from .chunk import chunk_bwd, chunk_fwd, chunk_states, prepare
 from .hla2_fused_kernels import (
     fused_hla2_fwd_kernel,
     hla2_fwd_o_kernel,

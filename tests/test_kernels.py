@@ -118,7 +118,8 @@ def make_inputs(
 
 
 def run(
-    fn: object, x: dict, dtype: torch.dtype, *, use_h0: bool, resets: torch.Tensor | None = None
+    fn: object, x: dict, dtype: torch.dtype, *, use_h0: bool, resets: torch.Tensor | None = None,
+    chunk: int = CHUNK,
 ) -> dict[str, torch.Tensor]:
     """Forward and backward of a chunk implementation; loss = <o, do> + <h_T, dh_T>."""
     names = ["q", "k", "v"] + (["g"] if x["g"] is not None else []) + (["h0"] if use_h0 else [])
@@ -126,7 +127,7 @@ def run(
     g = leaves.get("g")
     o, h = fn(  # type: ignore[operator]
         leaves["q"], leaves["k"], leaves["v"], g, resets=resets, h0=leaves.get("h0"),
-        chunk_size=CHUNK,
+        chunk_size=chunk,
     )
     loss = (o.double() * x["do"]).sum() + (h.double() * x["dht"]).sum()
     loss.backward()
@@ -161,19 +162,22 @@ def test_chunk_fwd_bwd_fp32(
     check_all(torch32, ref, mag, d)  # the PyTorch path meets the same bound
 
 
-def test_chunk_resets(interp: SimpleNamespace, num_threads: int) -> None:
-    """Document starts cut the carry, also at a chunk's first position (16, 32)."""
-    B, T = 2, 50
+@pytest.mark.parametrize("chunk", [16, 32, 64])
+def test_chunk_resets(interp: SimpleNamespace, num_threads: int, chunk: int) -> None:
+    """Document starts cut the carry, also at a chunk's first position, at every chunk
+    size the kernels run (the state passes walk 3 chunks)."""
+    B, T = 2, 2 * chunk + 5
     x = make_inputs(B, T, "token", seed=1)
     resets = torch.zeros(B, T, dtype=torch.bool, device=DEVICE)
-    resets[0, [5, 16, 20]] = True
-    resets[1, [32, 33, 49]] = True
-    ref = run(chunk_linear_attention, x, torch.float64, use_h0=True, resets=resets)
-    torch32 = run(chunk_linear_attention, x, torch.float32, use_h0=True, resets=resets)
+    resets[0, [5, chunk, chunk + 4]] = True
+    resets[1, [2 * chunk, 2 * chunk + 1, T - 1]] = True
+    ref = run(chunk_linear_attention, x, torch.float64, use_h0=True, resets=resets, chunk=chunk)
+    torch32 = run(chunk_linear_attention, x, torch.float32, use_h0=True, resets=resets,
+                  chunk=chunk)
     before = launches()
-    tri = run(interp.fn, x, torch.float32, use_h0=True, resets=resets)
-    assert launches() > before
-    mag, d = magnitudes(x, use_h0=True, resets=resets), depth(T, K, V, x["g"])
+    tri = run(interp.fn, x, torch.float32, use_h0=True, resets=resets, chunk=chunk)
+    assert launches() - before == 6
+    mag, d = magnitudes(x, use_h0=True, resets=resets), depth(T, K, V, x["g"], chunk)
     check_all(tri, ref, mag, d)
     check_all(torch32, ref, mag, d)
 
@@ -183,9 +187,9 @@ def test_several_blocks(
 ) -> None:
     """16-wide tiles with K = 24, V = 40: several K and V blocks, the last ones partial
     (the GPU shape K = V = 128 runs 2 x 2 blocks of 64), with resets and h0."""
-    import hla_sp.kernels.chunk as kchunk
+    import hla_sp.kernels._tiles as tiles
 
-    monkeypatch.setattr(kchunk, "BLOCK_CAP", 16)
+    monkeypatch.setattr(tiles, "BLOCK_CAP", 16)
     B, T = 1, 40
     x = make_inputs(B, T, "token", seed=8, dims=(24, 40))
     resets = torch.zeros(B, T, dtype=torch.bool, device=DEVICE)
