@@ -1,7 +1,7 @@
 """Tiles and launch configurations of the kernels, and the choice among them by time.
 
-The primitive's kernels (:mod:`hla_sp.kernels.chunk`) run 64-token chunks in every
-dtype (:func:`primitive_chunk`) and have a few candidate configurations each
+The primitive's kernels (:mod:`hla_sp.kernels.chunk`) run 64-token chunks with
+tensor-core dots, 32 with IEEE fp32 ones (:func:`primitive_chunk`), and have a few candidate configurations each
 (:data:`CANDIDATES`: K/V tile caps, warps, pipeline stages), as fla's autotuned
 kernels do. Candidates differ by input class: "mma" (bf16, fp16, TF32: tensor-core
 dots, BK and BV up to 128 so that sm_90 can use wgmma) and "fma" (IEEE fp32, whose
@@ -30,6 +30,7 @@ import triton
 from . import _jit
 from ._precision import dot_precision
 
+SPILL_LIMIT = 1024  # bytes per thread a configuration may spill (benchmarks/aot.py's gate)
 MIN_CHUNK = 16  # tl.dot needs every dimension >= 16
 MAX_CHUNK = 64  # larger tiles only add register pressure
 
@@ -104,11 +105,19 @@ def chunk_tile(chunk_size: int, dtype: torch.dtype | None = None) -> int:
     return min(max(chunk_size, MIN_CHUNK), cap)
 
 
-def primitive_chunk(chunk_size: int) -> int:
+def primitive_chunk(chunk_size: int, dtype: torch.dtype) -> int:
     """The primitive's chunk length for a requested ``chunk_size``: clamped to [16, 64]
     (tl.dot needs 16; the result does not depend on it up to rounding, and 64 is fla's
-    choice: [64, 64] score tiles, 64-row dots for the tensor cores)."""
-    return min(max(chunk_size, MIN_CHUNK), MAX_CHUNK)
+    choice: [64, 64] score tiles, 64-row dots for the tensor cores). IEEE fp32 dots are
+    FMA code, whose [BT, BT] tiles live in registers: 64-token chunks spilled 5 KB per
+    thread on sm_80 (ahead-of-time gate), so those take 32."""
+    cap = MAX_CHUNK if _kind(dtype) == "mma" else 32
+    return min(max(chunk_size, MIN_CHUNK), cap)
+
+
+def _kind(dtype: torch.dtype) -> str:
+    """"fma" for IEEE fp32 dots, "mma" for tensor-core ones (bf16, fp16, TF32)."""
+    return "fma" if dtype == torch.float32 and dot_precision(dtype) == "ieee" else "mma"
 
 
 @dataclass(frozen=True)
@@ -128,19 +137,18 @@ class Config:
 CANDIDATES: dict[str, dict[str, list[Config]]] = {
     "state": {"mma": [Config(64, 64, 4, 2), Config(128, 64, 8, 2)],
               "fma": [Config(32, 32, 4, 2)]},
-    "out": {"mma": [Config(64, 64, 4, 2), Config(128, 128, 8, 2)],
-            "fma": [Config(32, 32, 8, 2)]},
-    "dqk": {"mma": [Config(64, 64, 4, 2), Config(64, 64, 8, 2)],
-            "fma": [Config(16, 32, 8, 2)]},
+    "out": {"mma": [Config(64, 64, 8, 2), Config(128, 64, 8, 2), Config(64, 64, 4, 2)],
+            "fma": [Config(32, 32, 8, 2), Config(32, 32, 4, 2)]},
+    "dqk": {"mma": [Config(64, 64, 8, 2), Config(32, 64, 8, 2), Config(32, 64, 4, 2)],
+            "fma": [Config(16, 32, 8, 2), Config(16, 32, 4, 2)]},
 }
 
 
 def candidates(role: str, dtype: torch.dtype, K: int, V: int) -> list[Config]:
     """The distinct configurations of ``role`` for inputs of ``dtype`` at K and V, the
     tiles resolved (:func:`tile_width`)."""
-    kind = "fma" if dtype == torch.float32 and dot_precision(dtype) == "ieee" else "mma"
     out: list[Config] = []
-    for c in CANDIDATES[role][kind]:
+    for c in CANDIDATES[role][_kind(dtype)]:
         r = Config(tile_width(K, c.BK), tile_width(V, c.BV), c.num_warps, c.num_stages)
         if r not in out:
             out.append(r)

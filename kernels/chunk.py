@@ -138,19 +138,20 @@ def chunk_fwd(
     resets: torch.Tensor | None,
     h0: torch.Tensor | None,
     BT: int,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward on prepared (contiguous, fp32 g/h0, int32 resets) inputs; q may have G
     times k's heads (multi-query: the states once per kv head, read by its G queries).
 
     Returns:
-        o: [B, T, H G, V] fp32 (the compute dtype, as the torch path), h_last:
-        [B, H, K, V] fp32.
+        o: [B, T, H G, V] in ``out_dtype`` (default q's: rounded once, at the store,
+        with no cast pass after), h_last: [B, H, K, V] fp32.
     """
     B, T, HQ, K = q.shape
     V = v.shape[-1]
     N, G = triton.cdiv(T, BT), HQ // k.shape[2]
     hs, h_last = chunk_states(k, v, g, resets, h0, BT)
-    o = torch.empty(B, T, HQ, V, dtype=torch.float32, device=q.device)  # as the torch path
+    o = torch.empty(B, T, HQ, V, dtype=out_dtype or q.dtype, device=q.device)
 
     def launch(c: Config) -> None:
         chunk_fwd_o_kernel[(N, triton.cdiv(V, c.BV), B * HQ)](
@@ -290,10 +291,10 @@ def chunk_forward(
         chunk_size: requested chunk length, clamped to [16, 64] (:func:`primitive_chunk`).
 
     Returns:
-        o [B, T, H, V] and h_last [B, H, K, V], both fp32 (the compute dtype).
+        o [B, T, H, V] in the inputs' dtype and h_last [B, H, K, V] fp32.
     """
     qp, kp, vp, gp, rp, hp = prepare(q, k, v, g, resets, h0)
-    return chunk_fwd(qp, kp, vp, gp, rp, hp, primitive_chunk(chunk_size))
+    return chunk_fwd(qp, kp, vp, gp, rp, hp, primitive_chunk(chunk_size, qp.dtype))
 
 
 def chunk_backward(
@@ -314,11 +315,11 @@ def chunk_backward(
         dh0 [B, H, K, V] fp32, None where g or h0 is None.
     """
     qp, kp, vp, gp, rp, hp = prepare(q, k, v, g, resets, h0)
-    # do meets v in a dot, so it takes the input dtype (o itself is fp32); a non-finite
+    # do meets v in a dot, so it takes the input dtype (o's, a no-op then); a non-finite
     # dh_T is cleaned here (d_last reads it outside the kernels), its poison flagged by
     # the caller
     dhp = None if dht is None else torch.nan_to_num(dht.float(), nan=0.0, posinf=0.0, neginf=0.0)
     return chunk_bwd(
         qp, kp, vp, gp, rp, hp, do.to(qp.dtype).contiguous(),
-        None if dhp is None else dhp.contiguous(), primitive_chunk(chunk_size),
+        None if dhp is None else dhp.contiguous(), primitive_chunk(chunk_size, qp.dtype),
     )

@@ -51,9 +51,6 @@ def chunk_bwd_dv_kernel(
     m_t = o_t < T
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    _, b_ws, _, b_D = in_chunk_decay(g, r, i_b, i_kh, o_t, T, HK, BT, HAS_G, HAS_R)
-    b_ws = tl.where(i_h % G == 0, b_ws, 0.0)
-    b_Dt = tl.trans(b_D)  # [BT(j), BT(t)]: row j (key), column t (query)
 
     b_At = tl.zeros([BT, BT], dtype=tl.float32)  # (k_j . q_t)
     b_dv = tl.zeros([BT, BV], dtype=tl.float32)
@@ -77,6 +74,10 @@ def chunk_bwd_dv_kernel(
     if UPCAST:
         b_do = b_do.to(tl.float32)
     b_do = finite(b_do)
+    # the decay weights after the loop, as they are used: not live across it (registers)
+    _, b_ws, _, b_D = in_chunk_decay(g, r, i_b, i_kh, o_t, T, HK, BT, HAS_G, HAS_R)
+    b_ws = tl.where(i_h % G == 0, b_ws, 0.0)
+    b_Dt = tl.trans(b_D)  # [BT(j), BT(t)]: row j (key), column t (query)
     b_AD = operand(b_At * b_Dt, q.dtype.element_ty, UPCAST)
     b_dv = b_dv * b_ws[:, None] + tl.dot(b_AD, b_do, input_precision=DOT_PREC)
     tl.store(dv + p_v, round_to(b_dv, dv.dtype.element_ty, UPCAST),
@@ -127,10 +128,6 @@ def chunk_bwd_dqk_kernel(
     m_t = o_t < T
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
-    b_wc, b_ws, b_p, b_D = in_chunk_decay(g, r, i_b, i_kh, o_t, T, HK, BT, HAS_G, HAS_R)
-    # dk's state term and the chunk's R_n: once per kv head
-    b_ws = tl.where(i_h % G == 0, b_ws, 0.0)
-    b_p = tl.where(i_h % G == 0, b_p, 0.0)
     b_hdh = tl.zeros([BK, BV], dtype=tl.float32)  # h_in * dh_n, summed at the end
 
     b_dP = tl.zeros([BT, BT], dtype=tl.float32)  # (do_t . v_j)
@@ -164,6 +161,11 @@ def chunk_bwd_dqk_kernel(
     if UPCAST:
         b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
     b_q, b_k = finite(b_q), finite(b_k)
+    # the decay weights after the loop, as they are used: not live across it (registers)
+    b_wc, b_ws, b_p, b_D = in_chunk_decay(g, r, i_b, i_kh, o_t, T, HK, BT, HAS_G, HAS_R)
+    # dk's state term and the chunk's R_n: once per kv head
+    b_ws = tl.where(i_h % G == 0, b_ws, 0.0)
+    b_p = tl.where(i_h % G == 0, b_p, 0.0)
     b_dP = operand(b_dP * b_D, q.dtype.element_ty, UPCAST)
     b_dks = b_dk * b_ws[:, None]  # the state's part of dk
     b_dq = b_dq * b_wc[:, None] + tl.dot(b_dP, b_k, input_precision=DOT_PREC)

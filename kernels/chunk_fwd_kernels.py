@@ -51,8 +51,6 @@ def chunk_fwd_o_kernel(
     m_t = o_t < T
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    b_wc, _, _, b_D = in_chunk_decay(g, r, i_b, i_kh, o_t, T, HK, BT, HAS_G, HAS_R)
-
     b_A = tl.zeros([BT, BT], dtype=tl.float32)
     b_o = tl.zeros([BT, BV], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
@@ -76,6 +74,8 @@ def chunk_fwd_o_kernel(
     if UPCAST:
         b_v = b_v.to(tl.float32)
     b_v = finite(b_v)
+    # the decay weights after the loop, as they are used: not live across it (registers)
+    b_wc, _, _, b_D = in_chunk_decay(g, r, i_b, i_kh, o_t, T, HK, BT, HAS_G, HAS_R)
     b_AD = operand(b_A * b_D, q.dtype.element_ty, UPCAST)
     b_o = b_o * b_wc[:, None] + tl.dot(b_AD, b_v, input_precision=DOT_PREC)
     p_o = ((i_b * T + o_t[:, None]) * H + i_h) * V + o_v[None, :]

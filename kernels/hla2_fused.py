@@ -38,7 +38,7 @@ import torch
 import triton
 
 from ._precision import dot_precision, upcast_bf16
-from ._tiles import chunk_tile, tile_width, tiling
+from ._tiles import SPILL_LIMIT, chunk_tile, tile_width, tiling
 from .chunk import chunk_bwd, chunk_fwd, chunk_states, prepare
 from .hla2_fused_kernels import (
     fused_hla2_fwd_kernel,
@@ -55,7 +55,6 @@ MODES = ("chunked", "sequential")
 
 # --------------------------------------------------------------------------- sequential
 
-SPILL_LIMIT = 1024  # bytes per thread the sequential kernel may spill, on sm_80 or sm_90a
 # Its own chunk, whatever the chunk_size (the result does not depend on it up to
 # rounding): the [BT, BK] tiles of a chunk sit beside the K x K state, and 32-token
 # chunks spilled 14 KB per thread at K = 128 on sm_80 (bf16, decay, documents), 16-token
@@ -255,7 +254,7 @@ def fused_hla2_bwd(
 
     Returns dq, dk, dv (input dtypes), dg (fp32 or None), dS0, dH0 (fp32 or None).
     """
-    kt, _ = chunk_fwd(q, k, k, g, resets, S0, BT)  # stage 1 output, fp32
+    kt, _ = chunk_fwd(q, k, k, g, resets, S0, BT, torch.float32)  # stage 1 output
     if ridge:
         kt = kt + ridge * q.float()
     kt = kt.to(q.dtype)  # a dot operand, rounded as in the forward kernel

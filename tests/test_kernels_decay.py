@@ -68,11 +68,24 @@ def _abs(x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: (t if n == "g" else t.abs()) for n, t in x.items()}
 
 
-@pytest.mark.parametrize("chunk", [16, 32, 64])
+@pytest.mark.parametrize(("chunk", "matmul"), [(16, "highest"), (32, "highest"),
+                                               (64, "high")], ids=["c16", "c32", "c64-tf32"])
 @pytest.mark.parametrize("huge", HUGE, ids=["-inf", "-1e4", "-1e6", "-1e30"])
-def test_primitive_hard_reset_and_huge_decay(kernels: ModuleType, huge: float, chunk: int) -> None:
+def test_primitive_hard_reset_and_huge_decay(
+    kernels: ModuleType, huge: float, chunk: int, matmul: str
+) -> None:
     """o, h_T and dq, dk, dv, dh0 of the primitive, fp32 kernels against fp64, at every
-    chunk size (T = 40: the spot mid-chunk at 16, past a chunk's end at 32, one chunk at 64)."""
+    chunk size the kernels run (T = 40: the spot mid-chunk at 16, past a chunk's end at
+    32, one chunk at 64, which only TF32 dots run; the interpreter computes them in fp32)."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(matmul)
+    try:
+        _primitive_extremes(kernels, huge, chunk)
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def _primitive_extremes(kernels: ModuleType, huge: float, chunk: int) -> None:
     x = inputs(huge)
     f32 = {n: t.float() for n, t in x.items()}
     o, h_last = kernels.chunk_forward(
