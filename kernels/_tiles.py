@@ -1,11 +1,12 @@
 """Tiles and launch configurations of the kernels, and the choice among them by time.
 
 The primitive's kernels (:mod:`hla_sp.kernels.chunk`) run 64-token chunks with
-tensor-core dots, 32 with IEEE fp32 ones (:func:`primitive_chunk`), and have a few candidate configurations each
-(:data:`CANDIDATES`: K/V tile caps, warps, pipeline stages), as fla's autotuned
-kernels do. Candidates differ by input class: "mma" (bf16, fp16, TF32: tensor-core
-dots, BK and BV up to 128 so that sm_90 can use wgmma) and "fma" (IEEE fp32, whose
-dots are FMA code: every [BT, BK] tile costs registers, so narrower tiles).
+tensor-core dots, 32 with IEEE fp32 ones (:func:`primitive_chunk`), and have a few
+candidate configurations each (:data:`CANDIDATES`: K/V tile caps, warps, pipeline
+stages), as fla's autotuned kernels do. Candidates differ by input class: "mma"
+(bf16, fp16, TF32: tensor-core dots, BK and BV up to 128 so that sm_90 can use
+wgmma) and "fma" (IEEE fp32, whose dots are FMA code: every [BT, BK] tile costs
+registers, so narrower tiles).
 
 :func:`tuned` launches one kernel: on a GPU the first call for a key (the kernel, the
 dtypes, K, V, BT, the group size and the flags) times every candidate and keeps the
