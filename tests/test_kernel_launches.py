@@ -5,8 +5,9 @@ gate uses): launches are described, not run, so the count is exact and needs no 
 The primitive's forward is a state pass and an output kernel; its backward recomputes
 the states, runs their gradients in reverse, then dv and dq/dk/dg: six launches, with
 or without a decay, documents or states (no serial decay-gradient pass, no separate
-chunk-state kernel). Under ``capture(every=True)`` every tuning candidate of a launch
-is described as well, which is what the gate compiles.
+chunk-state kernel); hla2, two passes of the primitive, twelve. Under
+``capture(every=True)`` every tuning candidate of a launch is described as well,
+which is what the gate compiles.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def triton_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HLA_SP_BACKEND", "triton")
 
 
-def _step(dtype: torch.dtype, docs: bool, every: bool = False) -> list[str]:
+def _step(dtype: torch.dtype, docs: bool, every: bool = False, op: str = "linear_attention"
+          ) -> list[str]:
     """The kernels one forward and backward launches, in order."""
     from hla_sp.kernels import _jit
 
@@ -44,7 +46,7 @@ def _step(dtype: torch.dtype, docs: bool, every: bool = False) -> list[str]:
         kw.update(cu_seqlens=torch.tensor([0, 13, T], device=device),
                   initial_state=leaf(2, H, D, D), output_final_state=True)
     with _jit.capture(every=every) as launched:
-        o, _ = hla_sp.linear_attention(q, k, v, **kw)
+        o, _ = getattr(hla_sp, op)(q, k, v, **kw)
         o.float().sum().backward()
     return [job["kernel"] for job in launched]
 
@@ -53,6 +55,13 @@ def _step(dtype: torch.dtype, docs: bool, every: bool = False) -> list[str]:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_six_launches_per_step(triton_path: None, dtype: torch.dtype, docs: bool) -> None:
     assert _step(dtype, docs) == STEP
+
+
+def test_hla2_is_two_primitive_steps(triton_path: None) -> None:
+    """hla2 runs the primitive twice (k~ = LA(q, k, k), then LA(q, k~, v)), forward and
+    backward: twelve launches, the same six kernels twice."""
+    launched = _step(torch.bfloat16, docs=False, op="hla2")
+    assert len(launched) == 12 and sorted(launched) == sorted(STEP + STEP)
 
 
 def test_capture_every_candidate(triton_path: None) -> None:
