@@ -6,7 +6,8 @@ package; the autograd glue (one ``torch.library`` custom operator for the primit
 the fused hla2's ``autograd.Function``) is in :mod:`hla_sp.ops`.
 
 - :mod:`~hla_sp.kernels.chunk`: the primitive (decayed causal linear attention) as
-  chunk_state -> state_passing -> chunk output kernels and the backward kernels;
+  one state-pass kernel per direction (fla's chunk_h) -> chunk output kernels and the
+  backward kernels;
   :func:`chunk_forward` / :func:`chunk_backward` take unprepared tensors.
 - :mod:`~hla_sp.kernels.hla2_fused`: second-order HLA with k~ = S q kept on chip,
   :func:`fused_hla2_forward` / :func:`fused_hla2_backward`.

@@ -55,8 +55,9 @@ def in_chunk_decay(
         # seg[t, j] = sum_{j < s <= t} g_s: a cumsum down the rows of g_s [s > j]
         b_seg = tl.cumsum(tl.where(o_i[:, None] > o_i[None, :], b_g[:, None], 0.0), 0)
         b_wc = tl.exp(tl.cumsum(b_g, 0))
-        # last row of seg: sum_{s > j} g_s, the decay from token j to the chunk's end
-        b_ws = tl.exp(tl.sum(tl.where(o_i[:, None] == BT - 1, b_seg, 0.0), 0))
+        # sum_{s > j} g_s (seg's last row), the decay from token j to the chunk's end, as
+        # a masked sum: a kernel that reads no D (the state passes) runs no [BT, BT] cumsum
+        b_ws = tl.exp(tl.sum(tl.where(o_i[:, None] > o_i[None, :], b_g[:, None], 0.0), 0))
         b_p = tl.exp(tl.sum(b_g, 0))
     else:
         b_seg = tl.zeros([BT, BT], dtype=tl.float32)

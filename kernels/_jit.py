@@ -38,6 +38,7 @@ import triton
 LAUNCHES: Counter[str] = Counter()
 # While a list (inside :func:`capture`): launches are described here and not run.
 _CAPTURE: list[dict[str, Any]] | None = None
+_CAPTURE_EVERY = False  # inside capture(every=True): every tuning candidate is described
 KERNELS: dict[str, LazyKernel] = {}  # every kernel defined, by name (filled by lazy_jit)
 
 
@@ -190,18 +191,26 @@ _TRITON_DTYPES: dict[Any, str] = _DtypeNames()
 
 
 @contextmanager
-def capture() -> Iterator[list[dict[str, Any]]]:
-    """Describe every kernel launch (:meth:`LazyKernel.describe`) instead of running it.
+def capture(every: bool = False) -> Iterator[list[dict[str, Any]]]:
+    """Describe every kernel launch (:meth:`LazyKernel.describe`) instead of running it;
+    ``every``: also every candidate configuration of a tuned launch
+    (:func:`hla_sp.kernels._tiles.tuned`), not only its default.
 
     Outputs of captured launches are left uninitialised, so only the launch
     configurations, not the values, mean anything inside this context.
     """
-    global _CAPTURE
+    global _CAPTURE, _CAPTURE_EVERY
     before, _CAPTURE = _CAPTURE, []
+    every_before, _CAPTURE_EVERY = _CAPTURE_EVERY, every
     try:
         yield _CAPTURE
     finally:
-        _CAPTURE = before
+        _CAPTURE, _CAPTURE_EVERY = before, every_before
+
+
+def capturing_every() -> bool | None:
+    """None outside :func:`capture`; inside, its ``every``."""
+    return None if _CAPTURE is None else _CAPTURE_EVERY
 
 
 def lazy_jit(fn: Callable[..., None]) -> LazyKernel:

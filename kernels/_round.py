@@ -32,8 +32,12 @@ def round_to(x, dtype: tl.constexpr, EMULATE: tl.constexpr):
 def operand(x, dtype: tl.constexpr, EMULATE: tl.constexpr):
     """An fp32 intermediate as a dot operand: rounded to the inputs' ``dtype`` (tensor
     cores read 16-bit operands), and widened back to fp32 under the interpreter, whose
-    16-bit arithmetic is not exact."""
-    y = round_to(x, dtype, EMULATE)
+    16-bit arithmetic is not exact. An ``x`` loaded in ``dtype`` already (a chunk state
+    stored at the inputs' dtype) is not rounded again."""
+    if x.dtype == dtype:
+        y = x
+    else:
+        y = round_to(x, dtype, EMULATE)
     if EMULATE:
         y = y.to(tl.float32)
     return y

@@ -1,7 +1,9 @@
-"""Backward Triton kernels of the primitive: dv, dq/dk with the per-token dA, dg.
+"""Backward Triton kernels of the primitive: dv, and dq/dk with the decay gradient dg.
 
-The derivation (dA_t = q_t . dq_t - k_t . dk_t, dg = reverse cumsum of dA) is in
-:mod:`hla_sp.kernels.chunk`, whose :func:`~hla_sp.kernels.chunk.chunk_bwd` launches them.
+The derivation (dA_t = q_t . dq_t - k_t . dk_t, dg a reverse cumsum of dA whose part
+from later chunks is one inner product of states) is in :mod:`hla_sp.kernels.chunk`,
+whose :func:`~hla_sp.kernels.chunk.chunk_bwd` launches them after the state passes of
+:mod:`hla_sp.kernels.chunk_h_kernels`.
 """
 
 from __future__ import annotations
@@ -49,9 +51,6 @@ def chunk_bwd_dv_kernel(
     m_t = o_t < T
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    _, b_ws, _, b_D = in_chunk_decay(g, r, i_b, i_kh, o_t, T, HK, BT, HAS_G, HAS_R)
-    b_ws = tl.where(i_h % G == 0, b_ws, 0.0)
-    b_Dt = tl.trans(b_D)  # [BT(j), BT(t)]: row j (key), column t (query)
 
     b_At = tl.zeros([BT, BT], dtype=tl.float32)  # (k_j . q_t)
     b_dv = tl.zeros([BT, BV], dtype=tl.float32)
@@ -75,6 +74,10 @@ def chunk_bwd_dv_kernel(
     if UPCAST:
         b_do = b_do.to(tl.float32)
     b_do = finite(b_do)
+    # the decay weights after the loop, as they are used: not live across it (registers)
+    _, b_ws, _, b_D = in_chunk_decay(g, r, i_b, i_kh, o_t, T, HK, BT, HAS_G, HAS_R)
+    b_ws = tl.where(i_h % G == 0, b_ws, 0.0)
+    b_Dt = tl.trans(b_D)  # [BT(j), BT(t)]: row j (key), column t (query)
     b_AD = operand(b_At * b_Dt, q.dtype.element_ty, UPCAST)
     b_dv = b_dv * b_ws[:, None] + tl.dot(b_AD, b_do, input_precision=DOT_PREC)
     tl.store(dv + p_v, round_to(b_dv, dv.dtype.element_ty, UPCAST),
@@ -93,14 +96,14 @@ def chunk_bwd_dqk_kernel(
     r,  # [B, T] int32 (HAS_R)
     dq,  # [B, T, H, K]
     dk,  # [B, T, H, K]
-    dA,  # [NK, B, T, H] fp32 per-token q.dq - k.dk of this K block (HAS_G)
+    dg,  # [NK, B, T, H] fp32: this K block's share of the decay gradient (HAS_G)
     T,
     H,
     K,
     V,
     N,
-    G: tl.constexpr,  # multi-query: q, do, dq, dk, dA have H heads (dk, dA shares the caller sums
-    # per group), k, v, hs, dhs, g H / G
+    G: tl.constexpr,  # multi-query: q, do, dq, dk, dg have H heads (dk, dg shares the caller
+    # sums per group), k, v, hs, dhs, g H / G
     BT: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
@@ -109,10 +112,12 @@ def chunk_bwd_dqk_kernel(
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """dq, dk of one chunk and one K block, and that block's share of dA.
+    """dq, dk of one chunk and one K block, and that block's share of dg.
 
     dq_t = sum_j D[t, j] (do_t . v_j) k_j + wc_t (h_in do_t)
     dk_j = sum_t D[t, j] (do_t . v_j) q_t + ws_j (dh_n v_j)
+    dg_t = sum_{s >= t, s in t's segment and chunk} dA_s + [t in the last segment] R_n
+    R_n  = <dh_n, h_out> = p_n <dh_n, h_in> + sum_j k_j . (ws_j dh_n v_j)
     """
     i_n, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_bh = i_bh.to(tl.int64)
@@ -123,8 +128,7 @@ def chunk_bwd_dqk_kernel(
     m_t = o_t < T
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
-    b_wc, b_ws, _, b_D = in_chunk_decay(g, r, i_b, i_kh, o_t, T, HK, BT, HAS_G, HAS_R)
-    b_ws = tl.where(i_h % G == 0, b_ws, 0.0)  # dk's state term: once per kv head
+    b_hdh = tl.zeros([BK, BV], dtype=tl.float32)  # h_in * dh_n, summed at the end
 
     b_dP = tl.zeros([BT, BT], dtype=tl.float32)  # (do_t . v_j)
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)
@@ -147,6 +151,8 @@ def chunk_bwd_dqk_kernel(
         b_dP += tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
         b_dq += tl.dot(b_do, tl.trans(b_h), input_precision=DOT_PREC)
         b_dk += tl.dot(b_v, tl.trans(b_dh), input_precision=DOT_PREC)
+        if HAS_G:
+            b_hdh += b_h.to(tl.float32) * b_dh.to(tl.float32)
     p_qk = ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :]  # [BT, BK]
     m_qk = m_t[:, None] & m_k[None, :]
     b_q = tl.load(q + p_qk, mask=m_qk, other=0.0)
@@ -155,62 +161,33 @@ def chunk_bwd_dqk_kernel(
     if UPCAST:
         b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
     b_q, b_k = finite(b_q), finite(b_k)
+    # the decay weights after the loop, as they are used: not live across it (registers)
+    b_wc, b_ws, b_p, b_D = in_chunk_decay(g, r, i_b, i_kh, o_t, T, HK, BT, HAS_G, HAS_R)
+    # dk's state term and the chunk's R_n: once per kv head
+    b_ws = tl.where(i_h % G == 0, b_ws, 0.0)
+    b_p = tl.where(i_h % G == 0, b_p, 0.0)
     b_dP = operand(b_dP * b_D, q.dtype.element_ty, UPCAST)
+    b_dks = b_dk * b_ws[:, None]  # the state's part of dk
     b_dq = b_dq * b_wc[:, None] + tl.dot(b_dP, b_k, input_precision=DOT_PREC)
-    b_dk = b_dk * b_ws[:, None] + tl.dot(tl.trans(b_dP), b_q, input_precision=DOT_PREC)
+    b_dk = b_dks + tl.dot(tl.trans(b_dP), b_q, input_precision=DOT_PREC)
     tl.store(dq + p_qk, round_to(b_dq, dq.dtype.element_ty, UPCAST), mask=m_qk)
     tl.store(dk + p_qk, round_to(b_dk, dk.dtype.element_ty, UPCAST), mask=m_qk)
     if HAS_G:
+        b_qf, b_kf = b_q.to(tl.float32), b_k.to(tl.float32)
         # this K block's part of dA_t = q_t . dq_t - k_t . dk_t, from the fp32 values
-        b_dA = tl.sum(b_q.to(tl.float32) * b_dq - b_k.to(tl.float32) * b_dk, 1)  # [BT]
-        n_b = tl.num_programs(2) // H  # B
-        p_dA = dA + ((i_k * n_b + i_b) * T + o_t) * H + i_h
-        tl.store(p_dA, b_dA, mask=m_t)
-
-
-@lazy_jit
-def reverse_cumsum_kernel(
-    dA,  # [NK, B, T, H] fp32
-    d_last,  # [B, H] fp32: <dh_T, h_T>, the last token's extra dA
-    g,  # [B, T, H] fp32 log-decay
-    r,  # [B, T] int32 document starts (HAS_R)
-    dg,  # [B, T, H]
-    B,
-    T,
-    H,
-    N,
-    NK: tl.constexpr,
-    BT: tl.constexpr,
-    HAS_R: tl.constexpr,
-):
-    """dg_t = sum_k dA[k, s] over s >= t in t's segment (+ d_last in the last segment),
-    chunk by chunk from the end.
-
-    Segments are cut at document starts and at log-decays of -inf. Across a cut the
-    later terms sum to zero, but only up to rounding, and they would carry the later
-    segment's values (or a NaN) into an earlier one's gradient: they are left out.
-    """
-    i_bh = tl.program_id(0).to(tl.int64)
-    i_b, i_h = i_bh // H, i_bh % H
-    o_i = tl.arange(0, BT)
-    m_later = o_i[None, :] >= o_i[:, None]  # [t, s]: s >= t
-    b_carry = tl.load(d_last + i_bh)
-    for i in range(N):
-        o_t = (N - 1 - i) * BT + o_i
-        m_t = o_t < T
-        b_dA = tl.zeros([BT], dtype=tl.float32)
-        for i_k in range(NK):
-            b_dA += tl.load(dA + ((i_k * B + i_b) * T + o_t) * H + i_h, mask=m_t, other=0.0)
-        b_g = tl.load(g + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0)
+        b_dA = tl.sum(b_qf * b_dq - b_kf * b_dk, 1)  # [BT]
+        # and of R_n, what the later chunks add to the chunk's last segment
+        b_R = b_p * tl.sum(tl.sum(b_hdh, 1), 0) + tl.sum(tl.sum(b_kf * b_dks, 1), 0)
+        # segments: cut at document starts and log-decays of -inf. Across a cut the
+        # later terms sum to zero, but only up to rounding, and they would carry a later
+        # segment's values (or a NaN) into an earlier one's gradient: they are left out
+        b_g = tl.load(g + (i_b * T + o_t) * HK + i_kh, mask=m_t, other=0.0)
         b_cut = (b_g == float("-inf")).to(tl.int32)
         if HAS_R:
             b_cut = b_cut | tl.load(r + i_b * T + o_t, mask=m_t, other=0)
-        b_seg = tl.cumsum(b_cut, 0)  # the segment of each token inside the chunk
-        m_sum = m_later & (b_seg[None, :] == b_seg[:, None])
+        b_seg = tl.cumsum(b_cut, 0)
+        m_sum = (o_i[None, :] >= o_i[:, None]) & (b_seg[None, :] == b_seg[:, None])  # [t, s]
         b_dg = tl.sum(tl.where(m_sum, b_dA[None, :], 0.0), 1)
-        # the carry from later chunks reaches the chunk's last segment only
-        b_dg += tl.where(b_seg == tl.max(b_seg, 0), b_carry, 0.0)
-        tl.store(dg + (i_b * T + o_t) * H + i_h, b_dg.to(dg.dtype.element_ty), mask=m_t)
-        # what the earlier chunk's last segment continues: nothing after a cut at 0
-        b_first = tl.sum(tl.where(o_i == 0, b_dg, 0.0), 0)
-        b_carry = tl.where(tl.sum(tl.where(o_i == 0, b_cut, 0), 0) > 0, 0.0, b_first)
+        b_dg += tl.where(b_seg == tl.max(b_seg, 0), b_R, 0.0)
+        n_b = tl.num_programs(2) // H  # B
+        tl.store(dg + ((i_k * n_b + i_b) * T + o_t) * H + i_h, b_dg, mask=m_t)

@@ -37,19 +37,15 @@ from __future__ import annotations
 import torch
 import triton
 
-from .chunk import (
-    chunk_bwd,
-    chunk_fwd,
-    chunk_states,
-    chunk_tile,
-    dot_precision,
-    prepare,
-    state_passing,
-    tile_width,
-    tiling,
-    upcast_bf16,
+from ._precision import dot_precision, upcast_bf16
+from ._tiles import SPILL_LIMIT, chunk_tile, tile_width, tiling
+from .chunk import chunk_bwd, chunk_fwd, chunk_states, prepare
+from .hla2_fused_kernels import (
+    fused_hla2_fwd_kernel,
+    hla2_fwd_o_kernel,
+    hla2_state_kernel,
+    state_passing_kernel,
 )
-from .hla2_fused_kernels import fused_hla2_fwd_kernel, hla2_fwd_o_kernel, hla2_state_kernel
 
 MAX_FUSED_K = 128  # the sequential program holds a K x K fp32 state
 # fp32 operands double the K x K tiles the sequential program stages in shared memory:
@@ -59,7 +55,6 @@ MODES = ("chunked", "sequential")
 
 # --------------------------------------------------------------------------- sequential
 
-SPILL_LIMIT = 1024  # bytes per thread the sequential kernel may spill, on sm_80 or sm_90a
 # Its own chunk, whatever the chunk_size (the result does not depend on it up to
 # rounding): the [BT, BK] tiles of a chunk sit beside the K x K state, and 32-token
 # chunks spilled 14 KB per thread at K = 128 on sm_80 (bf16, decay, documents), 16-token
@@ -77,12 +72,12 @@ SequentialKey = tuple[str, int, int, bool, bool, bool]
 SEQUENTIAL_MEASURED: dict[SequentialKey, dict[str, int]] = {
     ("bf16", 128, 32, False, False, False): {"sm_80": 248, "sm_90a": 28},
     ("bf16", 128, 32, True, False, False): {"sm_80": 532, "sm_90a": 72},
-    ("bf16", 128, 32, True, False, True): {"sm_80": 1212, "sm_90a": 608},  # refused
+    ("bf16", 128, 32, True, False, True): {"sm_80": 1212, "sm_90a": 604},  # refused
     ("bf16", 128, 32, True, True, False): {"sm_80": 540, "sm_90a": 88},
     ("fp16", 128, 32, False, False, False): {"sm_80": 192, "sm_90a": 28},
-    ("fp16", 128, 32, True, False, True): {"sm_80": 1172, "sm_90a": 608},  # refused
+    ("fp16", 128, 32, True, False, True): {"sm_80": 1172, "sm_90a": 604},  # refused
     ("fp32", 32, 32, True, False, False): {"sm_80": 8, "sm_90a": 92},
-    ("fp32", 32, 32, True, True, False): {"sm_80": 16, "sm_90a": 72},
+    ("fp32", 32, 32, True, True, False): {"sm_80": 16, "sm_90a": 68},
     ("fp32", 64, 32, True, False, True): {"sm_80": 216, "sm_90a": 276},
     ("fp32", 64, 32, True, True, False): {"sm_80": 56, "sm_90a": 88},
     ("tf32", 64, 32, True, True, False): {"sm_80": 60, "sm_90a": 0},
@@ -215,14 +210,15 @@ def fused_hla2_fwd(
     if mode == "chunked":
         BK, BV = tile_width(K, tl_.block), tile_width(V, tl_.block)
         NK, NV = triton.cdiv(K, BK), triton.cdiv(V, BV)
-        Ss, S_T = chunk_states(k, k, g, resets, S0, BT)  # stage-1 states entering each chunk
+        # stage-1 states entering each chunk, fp32 (the kernels below read them so)
+        Ss, S_T = chunk_states(k, k, g, resets, S0, BT, dtype=torch.float32)
         hs = torch.empty(B, H, N, K, V, dtype=torch.float32, device=q.device)
         hla2_state_kernel[(N, NK * NV, B * H)](
             q, k, v, Ss, g, resets, hs, float(ridge), T, H, K, V, N,
             BT=BT, BK=BK, BV=BV, **flags, num_warps=tl_.num_warps, num_stages=tl_.num_stages,
         )
         H_T = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device)
-        state_passing(hs, g, resets, H0, H_T, T, BT, reverse=False)
+        state_passing(hs, g, resets, H0, H_T, T, BT)
         hla2_fwd_o_kernel[(N, NV, B * H)](
             q, k, v, Ss, hs, g, resets, o, float(ridge), T, H, K, V, N,
             BT=BT, BK=tile_width(K, tl_.narrow), BV=BV, **flags, num_warps=tl_.num_warps,
@@ -258,7 +254,7 @@ def fused_hla2_bwd(
 
     Returns dq, dk, dv (input dtypes), dg (fp32 or None), dS0, dH0 (fp32 or None).
     """
-    kt, _ = chunk_fwd(q, k, k, g, resets, S0, BT)  # stage 1 output, fp32
+    kt, _ = chunk_fwd(q, k, k, g, resets, S0, BT, torch.float32)  # stage 1 output
     if ridge:
         kt = kt + ridge * q.float()
     kt = kt.to(q.dtype)  # a dot operand, rounded as in the forward kernel
@@ -271,6 +267,30 @@ def fused_hla2_bwd(
     dg = None if g is None else dg1 + dg2  # type: ignore[operator]
     return dq.to(q.dtype), dk.to(k.dtype), dv, dg, dS0, dH0
 
+
+
+def state_passing(
+    hs: torch.Tensor,
+    g: torch.Tensor | None,
+    resets: torch.Tensor | None,
+    h_init: torch.Tensor | None,
+    h_last: torch.Tensor | None,
+    T: int,
+    BT: int,
+) -> None:
+    """Launch :func:`state_passing_kernel` on the stage-2 chunk summands hs
+    [B, H, N, DX, DY] fp32 (in place: afterwards the states entering each chunk).
+
+    No dot here, so the state is cut into 32 x 32 blocks: a sequential loop over the
+    chunks is latency bound, and more programs per head hide more of it.
+    """
+    B, H, N, DX, DY = hs.shape
+    BX, BY = tile_width(DX, 32), tile_width(DY, 32)
+    state_passing_kernel[(triton.cdiv(DX, BX) * triton.cdiv(DY, BY), B * H)](
+        hs, g, resets, h_init, h_last, T, H, DX, DY, N,
+        BT=BT, BX=BX, BY=BY, REVERSE=False, HAS_G=g is not None, HAS_R=resets is not None,
+        HAS_INIT=h_init is not None, STORE_LAST=h_last is not None,
+    )
 
 
 def fused_hla2_forward(

@@ -258,3 +258,62 @@ def hla2_fwd_o_kernel(
     b_BD = operand(b_Bm * b_D, q.dtype.element_ty, UPCAST)
     b_o = b_o * b_wc[:, None] + tl.dot(b_BD, b_v, input_precision=DOT_PREC)
     tl.store(o + p_v, round_to(b_o, o.dtype.element_ty, UPCAST), mask=m_t[:, None] & m_v[None, :])
+
+
+@lazy_jit
+def state_passing_kernel(
+    hs,  # [B, H, N, DX, DY] fp32: chunk summands in, states out (in place)
+    g,  # [B, T, H] fp32 (HAS_G)
+    r,  # [B, T] int32 (HAS_R)
+    h_init,  # [B, H, DX, DY] fp32 (HAS_INIT)
+    h_last,  # [B, H, DX, DY] fp32 (STORE_LAST)
+    T,
+    H,
+    DX,
+    DY,
+    N,
+    BT: tl.constexpr,
+    BX: tl.constexpr,
+    BY: tl.constexpr,
+    REVERSE: tl.constexpr,
+    HAS_G: tl.constexpr,
+    HAS_R: tl.constexpr,
+    HAS_INIT: tl.constexpr,
+    STORE_LAST: tl.constexpr,
+):
+    """The sequential pass over chunks, in place, for one [BX, BY] block of the state.
+
+    Forward (REVERSE=False): h = h_init; for n = 0..N-1: hs[n], h = h, p_n h + hs[n].
+    Afterwards hs[n] is the state entering chunk n and h_last the final state.
+    Reverse (REVERSE=True), for the state gradients: h = h_init (= dh_T); for
+    n = N-1..0: hs[n], h = h, hs[n] + p_n h. Afterwards hs[n] is the gradient of the
+    state leaving chunk n and h_last = dh0.
+    """
+    i_xy, i_bh = tl.program_id(0), tl.program_id(1)
+    NY = tl.cdiv(DY, BY)
+    i_x, i_y = i_xy // NY, i_xy % NY
+    i_bh = i_bh.to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_i = tl.arange(0, BT)
+    o_x = i_x * BX + tl.arange(0, BX)
+    o_y = i_y * BY + tl.arange(0, BY)
+    m_xy = (o_x[:, None] < DX) & (o_y[None, :] < DY)
+    o_xy = o_x[:, None] * DY + o_y[None, :]  # [BX, BY] offsets inside one state
+    if HAS_INIT:
+        b_h = finite(tl.load(h_init + i_bh * DX * DY + o_xy, mask=m_xy, other=0.0))
+    else:
+        b_h = tl.zeros([BX, BY], dtype=tl.float32)
+    for i in range(N):
+        if REVERSE:
+            i_n = N - 1 - i
+        else:
+            i_n = i
+        o_t = i_n * BT + o_i  # int32 is enough: T < 2^31; products with i_b are int64
+        # p_n: exp of the chunk's total decay, 0 if the chunk contains a start
+        _, _, b_p, _ = in_chunk_decay(g, r, i_b, i_h, o_t, T, H, BT, HAS_G, HAS_R)
+        p_s = hs + (i_bh * N + i_n) * DX * DY + o_xy
+        b_s = tl.load(p_s, mask=m_xy, other=0.0)
+        tl.store(p_s, b_h, mask=m_xy)
+        b_h = b_p * b_h + b_s
+    if STORE_LAST:
+        tl.store(h_last + i_bh * DX * DY + o_xy, b_h, mask=m_xy)

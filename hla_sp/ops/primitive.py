@@ -25,9 +25,10 @@ Two operators, both taking the backend name chosen by :mod:`hla_sp.ops.dispatch`
     hla_sp::chunk_linear_attention(q, k, v, g?, resets?, h0?, chunk_size, backend)
         -> (o [B, T, H G, V], h_last [B, H, K, V], bad [B, T, H] bool), q [B, T, H G, K]
         against k, v of H heads (G > 1: multi-query, query head h G + j reads kv head
-        h's state, built once); o and h_last in
-        the compute dtype (fp32, or fp64 for fp64 inputs on the torch backend), bad
-        the tokens whose k, v or decay is non-finite (kept for the backward)
+        h's state, built once); h_last in the compute dtype (fp32, or fp64 for fp64
+        inputs on the torch backend), o too on the torch backend and in the inputs'
+        dtype on the Triton one (its kernels round it once, at the store), bad the
+        tokens whose k, v or decay is non-finite (kept for the backward)
     hla_sp::chunk_linear_attention_bwd(q, k, v, g?, resets?, h0?, do, dht?, bad,
         chunk_size, backend) -> (dq, dk, dv, dg, dh0)
 
@@ -79,6 +80,12 @@ Tensor = torch.Tensor
 def _out_dtype(q: Tensor, backend: str) -> torch.dtype:
     # The torch path keeps fp64 in fp64; the Triton path rejects fp64 (states are fp32).
     return torch.float32 if backend == "triton" else compute_dtype(q.dtype)
+
+
+def _o_dtype(q: Tensor, backend: str) -> torch.dtype:
+    # The Triton kernels store o in the inputs' dtype (rounded once, from fp32), so no
+    # cast follows them; the torch path returns the compute dtype.
+    return q.dtype if backend == "triton" else compute_dtype(q.dtype)
 
 
 @torch.library.custom_op("hla_sp::chunk_linear_attention", mutates_args=())
@@ -134,7 +141,7 @@ def _(
 ) -> tuple[Tensor, Tensor, Tensor]:
     B, T, Hq, K = q.shape
     H, V = k.shape[2], v.shape[-1]
-    o = q.new_empty(B, T, Hq, V, dtype=_out_dtype(q, backend))
+    o = q.new_empty(B, T, Hq, V, dtype=_o_dtype(q, backend))
     h = q.new_empty(B, H, K, V, dtype=_out_dtype(q, backend))
     return o, h, q.new_empty(B, T, H, dtype=torch.bool)
 
@@ -205,7 +212,7 @@ def _backward(
 ) -> tuple[Tensor | None, ...]:
     q, k, v, g, resets, h0, bad = ctx.saved_tensors
     if do is None:
-        do = q.new_zeros(*q.shape[:3], v.shape[-1], dtype=_out_dtype(q, ctx.backend))
+        do = q.new_zeros(*q.shape[:3], v.shape[-1], dtype=_o_dtype(q, ctx.backend))
     dq, dk, dv, dg, dh0 = chunk_linear_attention_bwd_op(
         q, k, v, g, resets, h0, do, dht, bad, ctx.chunk_size, ctx.backend
     )
@@ -225,7 +232,8 @@ def make_chunk_impl(backend: str) -> Callable[..., tuple[Tensor, Tensor]]:
     q [B, T, H, K] (already scaled), k [B, T, H, K], v [B, T, H, V], g [B, T, H]
     log-decay (<= 0, -inf a hard reset) or None, resets [B, T] bool (True where a
     document starts; position 0 False) or None, h0 [B, H, K, V] or None; it returns
-    o [B, T, H, V] and the last state [B, H, K, V] in the compute dtype. One token
+    o [B, T, H, V] (the compute dtype on the torch backend, the inputs' on the Triton
+    one) and the last state [B, H, K, V] in the compute dtype. One token
     without autograd (a decode step) runs the recurrence's step instead of the scan
     (:mod:`hla_sp.ops.one_token`)."""
 
@@ -269,8 +277,8 @@ def chunk_linear_attention_triton(
         chunk_size: requested chunk length; the kernels clamp it to [16, 64].
 
     Returns:
-        o: [B, T, H, V] and h_last: [B, H, K, V], both fp32 (the compute dtype, as the
-        torch path returns them; the caller casts o).
+        o: [B, T, H, V] in the inputs' dtype (rounded once from the fp32 accumulator)
+        and h_last: [B, H, K, V] fp32.
     """
     o, h, _ = chunk_linear_attention_op(q, k, v, g, resets, h0, chunk_size, "triton")
     return o, h

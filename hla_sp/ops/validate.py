@@ -148,9 +148,13 @@ def check_log_decay(
             f"a shape that broadcasts to [B, T, H] = [{B}, {T}, {H}] (e.g. [H] or [B, T, H])",
             f"shape {tuple(log_decay.shape)}",
         )
-    if check_values and log_decay.numel() > 0 and torch.compiler.is_compiling():
-        # .item() would break a torch.compile graph; the same check runs inside it
-        # (it raises a RuntimeError when the graph runs).
+    if check_values and log_decay.numel() > 0 and (
+        torch.compiler.is_compiling()
+        or (log_decay.device.type != "cpu" and not _no_values(log_decay))
+    ):
+        # .item() would break a torch.compile graph, and on a GPU it would wait for the
+        # device on every call (a host sync): the same check runs on the device instead,
+        # with no wait, and fails the call's stream (a RuntimeError at the next sync).
         torch._assert_async(
             log_decay.detach().max() <= 0.0,
             "log_decay: expected values <= 0 (gamma = exp(log_decay) <= 1)",
@@ -269,6 +273,12 @@ def check_symmetric(name: str, x: torch.Tensor) -> None:
     asym = (xd - xd.transpose(-1, -2)).abs().amax(dim=(-2, -1))
     tol = torch.finfo(xd.dtype).eps ** 0.5 * xd.abs().amax(dim=(-2, -1))
     bad = ~(asym <= tol)  # NaN counts as bad
+    if x.device.type != "cpu":
+        # on a GPU, checked on the device: no host sync on the call path (a RuntimeError
+        # at the next sync, without the per-matrix detail)
+        torch._assert_async(~bad.any(), f"{name}: expected a symmetric key moment "
+                            "(S == S^T, as every state the operators return)")
+        return
     if bad.any():
         idx = tuple(int(i) for i in torch.nonzero(bad)[0].tolist())
         _fail(

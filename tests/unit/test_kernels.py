@@ -118,7 +118,8 @@ def make_inputs(
 
 
 def run(
-    fn: object, x: dict, dtype: torch.dtype, *, use_h0: bool, resets: torch.Tensor | None = None
+    fn: object, x: dict, dtype: torch.dtype, *, use_h0: bool, resets: torch.Tensor | None = None,
+    chunk: int = CHUNK,
 ) -> dict[str, torch.Tensor]:
     """Forward and backward of a chunk implementation; loss = <o, do> + <h_T, dh_T>."""
     names = ["q", "k", "v"] + (["g"] if x["g"] is not None else []) + (["h0"] if use_h0 else [])
@@ -126,7 +127,7 @@ def run(
     g = leaves.get("g")
     o, h = fn(  # type: ignore[operator]
         leaves["q"], leaves["k"], leaves["v"], g, resets=resets, h0=leaves.get("h0"),
-        chunk_size=CHUNK,
+        chunk_size=chunk,
     )
     loss = (o.double() * x["do"]).sum() + (h.double() * x["dht"]).sum()
     loss.backward()
@@ -153,26 +154,36 @@ def test_chunk_fwd_bwd_fp32(
     torch32 = run(chunk_linear_attention, x, torch.float32, use_h0=use_h0)
     before = launches()
     tri = run(interp.fn, x, torch.float32, use_h0=use_h0)
-    assert launches() - before >= 7, "the Triton kernels did not run"
+    # forward: states, output; backward: states again, their gradients, dv, dq/dk/dg
+    assert launches() - before == 6, "the Triton kernels did not run"
     assert tri["o"].dtype == torch.float32 and tri["h_T"].dtype == torch.float32
     mag, d = magnitudes(x, use_h0=use_h0), depth(T, K, V, x["g"])
     check_all(tri, ref, mag, d)
     check_all(torch32, ref, mag, d)  # the PyTorch path meets the same bound
 
 
-def test_chunk_resets(interp: SimpleNamespace, num_threads: int) -> None:
-    """Document starts cut the carry, also at a chunk's first position (16, 32)."""
-    B, T = 2, 50
+@pytest.mark.parametrize(("chunk", "matmul"), [(16, "highest"), (32, "highest"),
+                                               (64, "high")], ids=["c16", "c32", "c64-tf32"])
+def test_chunk_resets(interp: SimpleNamespace, num_threads: int, chunk: int, matmul: str) -> None:
+    """Document starts cut the carry, also at a chunk's first position, at every chunk
+    size the kernels run (the state passes walk 3 chunks; 64-token chunks are those of
+    TF32 dots, which the interpreter computes in fp32)."""
+    B, T = 2, 2 * chunk + 5
     x = make_inputs(B, T, "token", seed=1)
     resets = torch.zeros(B, T, dtype=torch.bool, device=DEVICE)
-    resets[0, [5, 16, 20]] = True
-    resets[1, [32, 33, 49]] = True
-    ref = run(chunk_linear_attention, x, torch.float64, use_h0=True, resets=resets)
-    torch32 = run(chunk_linear_attention, x, torch.float32, use_h0=True, resets=resets)
-    before = launches()
-    tri = run(interp.fn, x, torch.float32, use_h0=True, resets=resets)
-    assert launches() > before
-    mag, d = magnitudes(x, use_h0=True, resets=resets), depth(T, K, V, x["g"])
+    resets[0, [5, chunk, chunk + 4]] = True
+    resets[1, [2 * chunk, 2 * chunk + 1, T - 1]] = True
+    ref = run(chunk_linear_attention, x, torch.float64, use_h0=True, resets=resets, chunk=chunk)
+    torch32 = run(chunk_linear_attention, x, torch.float32, use_h0=True, resets=resets,
+                  chunk=chunk)
+    before, prec = launches(), torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(matmul)
+    try:
+        tri = run(interp.fn, x, torch.float32, use_h0=True, resets=resets, chunk=chunk)
+    finally:
+        torch.set_float32_matmul_precision(prec)
+    assert launches() - before == 6
+    mag, d = magnitudes(x, use_h0=True, resets=resets), depth(T, K, V, x["g"], chunk)
     check_all(tri, ref, mag, d)
     check_all(torch32, ref, mag, d)
 
@@ -182,9 +193,9 @@ def test_several_blocks(
 ) -> None:
     """16-wide tiles with K = 24, V = 40: several K and V blocks, the last ones partial
     (the GPU shape K = V = 128 runs 2 x 2 blocks of 64), with resets and h0."""
-    import hla_sp.kernels.chunk as kchunk
+    import hla_sp.kernels._tiles as tiles
 
-    monkeypatch.setattr(kchunk, "BLOCK_CAP", 16)
+    monkeypatch.setattr(tiles, "BLOCK_CAP", 16)
     B, T = 1, 40
     x = make_inputs(B, T, "token", seed=8, dims=(24, 40))
     resets = torch.zeros(B, T, dtype=torch.bool, device=DEVICE)
@@ -205,23 +216,27 @@ def launch_counts() -> dict[str, int]:
     return dict(LAUNCHES)
 
 
+@pytest.mark.parametrize("chunk", [16, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_chunk_half(interp: SimpleNamespace, dtype: torch.dtype, num_threads: int) -> None:
+def test_chunk_half(
+    interp: SimpleNamespace, dtype: torch.dtype, num_threads: int, chunk: int
+) -> None:
     """16-bit inputs, forward and backward: fp32 accumulation and states, dot operands in the
     input dtype (as fla does). Both see the same rounded inputs; the reference is fp64.
     The bound, elementwise: 8 roundings in the 16-bit dtype (the output's, and those of
     the operands of the second dots: masked scores, q * carry weight, states, and their
-    backward counterparts) plus the fp32 depth, times the magnitude."""
+    backward counterparts) plus the fp32 depth, times the magnitude. The per-chunk
+    states are stored in the 16-bit dtype, as the dots read them."""
     x = make_inputs(1, 65, "token", seed=2)
     xr = {n: (None if t is None else t.to(dtype).double()) for n, t in x.items()}
-    ref = run(chunk_linear_attention, xr, torch.float64, use_h0=True)
+    ref = run(chunk_linear_attention, xr, torch.float64, use_h0=True, chunk=chunk)
     before = launches()
-    tri = run(interp.fn, x, dtype, use_h0=True)
-    assert launches() > before
-    # the compute dtype, as the torch path: the caller rounds o once, at the end
-    assert tri["o"].dtype == torch.float32 and tri["h_T"].dtype == torch.float32
+    tri = run(interp.fn, x, dtype, use_h0=True, chunk=chunk)
+    assert launches() - before == 6
+    # o in the inputs' dtype, rounded once by the kernel's store (no cast pass after)
+    assert tri["o"].dtype == dtype and tri["h_T"].dtype == torch.float32
     mag = magnitudes(xr, use_h0=True)
-    check_all(tri, ref, mag, depth(65, K, V, xr["g"]), dtype, low=8)
+    check_all(tri, ref, mag, depth(65, K, V, xr["g"], chunk), dtype, low=8)
 
 
 def test_public_varlen(

@@ -59,9 +59,8 @@ def inputs(huge: float, seed: int = 0) -> dict[str, torch.Tensor]:
     return {n: t.to(DEVICE) for n, t in x.items()}
 
 
-def depth(stages: int = 1) -> int:
+def depth(stages: int = 1, tile: int = CHUNK) -> int:
     """fp32 roundings along one term's path of the mild problem (as tests/unit/test_kernels.py)."""
-    tile = CHUNK
     return stages * (2 * (K + V + T) + 2 * tile * math.ceil(tile * MILD) + 16)
 
 
@@ -69,16 +68,31 @@ def _abs(x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: (t if n == "g" else t.abs()) for n, t in x.items()}
 
 
+@pytest.mark.parametrize(("chunk", "matmul"), [(16, "highest"), (32, "highest"),
+                                               (64, "high")], ids=["c16", "c32", "c64-tf32"])
 @pytest.mark.parametrize("huge", HUGE, ids=["-inf", "-1e4", "-1e6", "-1e30"])
-def test_primitive_hard_reset_and_huge_decay(kernels: ModuleType, huge: float) -> None:
-    """o, h_T and dq, dk, dv, dh0 of the primitive, fp32 kernels against fp64."""
+def test_primitive_hard_reset_and_huge_decay(
+    kernels: ModuleType, huge: float, chunk: int, matmul: str
+) -> None:
+    """o, h_T and dq, dk, dv, dh0 of the primitive, fp32 kernels against fp64, at every
+    chunk size the kernels run (T = 40: the spot mid-chunk at 16, past a chunk's end at
+    32, one chunk at 64, which only TF32 dots run; the interpreter computes them in fp32)."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(matmul)
+    try:
+        _primitive_extremes(kernels, huge, chunk)
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def _primitive_extremes(kernels: ModuleType, huge: float, chunk: int) -> None:
     x = inputs(huge)
     f32 = {n: t.float() for n, t in x.items()}
     o, h_last = kernels.chunk_forward(
-        f32["q"], f32["k"], f32["v"], f32["g"], None, f32["h0"], CHUNK
+        f32["q"], f32["k"], f32["v"], f32["g"], None, f32["h0"], chunk
     )
     dq, dk, dv, dg, dh0 = kernels.chunk_backward(
-        f32["q"], f32["k"], f32["v"], f32["g"], None, f32["h0"], f32["do"], None, CHUNK
+        f32["q"], f32["k"], f32["v"], f32["g"], None, f32["h0"], f32["do"], None, chunk
     )
 
     def ref(x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -92,7 +106,8 @@ def test_primitive_hard_reset_and_huge_decay(kernels: ModuleType, huge: float) -
     want, mag = ref(x), ref(_abs(x))  # grads of the all-positive problem: sums of |terms|
     got = {"o": o, "h": h_last, "dq": dq, "dk": dk, "dv": dv, "dh0": dh0}
     for name, t in got.items():
-        assert_within_rounding(name, t, want[name], mag[name], {torch.float32: depth()})
+        assert_within_rounding(name, t, want[name], mag[name],
+                               {torch.float32: depth(tile=chunk)})
     assert dg is not None and bool(torch.isfinite(dg).all()), "dg: not finite"
 
 

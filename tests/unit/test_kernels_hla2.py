@@ -153,7 +153,7 @@ def test_fused_hla2_fp32(
     kernels: ModuleType, monkeypatch: pytest.MonkeyPatch, T: int, decay: str, opts: dict,
     dims: tuple[int, int], mode: str, num_threads: int,
 ) -> None:
-    monkeypatch.setattr(kernels.chunk, "BLOCK_CAP", 16 if dims != (K, V) else 64)
+    monkeypatch.setattr(kernels._tiles, "BLOCK_CAP", 16 if dims != (K, V) else 64)
     x = inputs(T, decay, seed=T, dims=dims)
     if opts.get("normalize"):  # the denominator sums positive terms
         x.update({n: x[n].abs() for n in ("q", "k", "S0", "eta0")})

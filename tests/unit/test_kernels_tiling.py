@@ -29,7 +29,7 @@ def test_tiling_per_dtype_and_precision(monkeypatch: pytest.MonkeyPatch) -> None
     """32-wide K/V tiles everywhere. IEEE fp32 (FMA dots): 16-token chunks and 4 warps;
     TF32: 32-token chunks, 8 warps; 16-bit inputs (tensor cores): 32-token chunks, 8
     warps, 2 pipeline stages in dq/dk. The chunk cap follows (the gate chose these)."""
-    from hla_sp.kernels.chunk import chunk_tile, tiling
+    from hla_sp.kernels._tiles import chunk_tile, tiling
 
     before = torch.get_float32_matmul_precision()
     try:
