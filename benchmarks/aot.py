@@ -19,7 +19,7 @@ H100/H200 (sm_90a) and A100 (sm_80) without a GPU.
 
 ``UPCAST`` (the interpreter's bf16 emulation) is forced off. ``make gpu-aot`` writes
 ``benchmarks/results/aot.json`` and the table in ``docs/benchmarks.md``;
-``tests/unit/test_aot.py`` runs the same gate.
+``tests/unit/benchmarks/test_aot.py`` runs the same gate.
 """
 
 from __future__ import annotations

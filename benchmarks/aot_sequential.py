@@ -7,7 +7,7 @@ those over ``SPILL_LIMIT`` on either arch. This script recompiles the listed one
 with ``--all``, every configuration ``hla2_fused`` can reach: 168, 336 compiles) with
 the compile and cache of :mod:`aot`, prints the table as the literal to commit, says
 whether the committed entries are current, and stores its rows under ``"sequential"``
-in ``benchmarks/results/aot.json``. ``tests/unit/test_aot.py`` runs the same check.
+in ``benchmarks/results/aot.json``. ``tests/unit/benchmarks/test_aot.py`` runs the same check.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ per-token decay, initial states and packed documents; and one 1M-token sequence 
 B*T*H*K past 2^31, whose tail is checked against the torch path (int64 offsets).
 fp32 must be within twice the PyTorch fp32 error plus 2^-20 of the norm; bf16 within
 4 (primitive) or 8 (hla2) unit roundoffs in relative norm (the reasons are in
-tests/unit/test_kernels*.py).
+tests/unit/kernels/test_*.py).
 
 Timing: forward + backward with ``triton.testing.do_bench`` (median ms) at B=1, H=16,
 K=V=128 and T = 8k, 32k, 128k, bf16 inputs, per-head decay, for

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check of the Triton kernels on one GPU (sized for an H200: under 8 minutes; the
 # timeouts below add up to 7.5).
-#   1. the kernel tests on CUDA (tests/unit/test_kernels*.py run on the GPU when it exists);
+#   1. the kernel tests on CUDA (tests/unit/kernels/test_*.py run on the GPU when it exists);
 #   2. benchmarks/bench_gpu.py: correctness in fp32 and bf16 against the fp64 torch
 #      path, then fwd+bwd timings of linear_attention, hla2, hla2_fused, flash SDPA and
 #      (if it imports) fla's chunk_simple_gla at B=1, H=16, K=V=128, T=8k/32k/128k;
@@ -26,8 +26,9 @@ start=$(date +%s)
 status=0
 # A test failure is reported, but the timings still run: both are worth having.
 timeout 120 "$PY" -m pytest -q -p no:cacheprovider \
-  tests/unit/test_kernels.py tests/unit/test_kernels_hla2.py tests/unit/test_compile.py tests/unit/test_launch_cuda.py \
-  tests/unit/test_precision.py || status=1
+  tests/unit/kernels/test_kernels.py tests/unit/kernels/test_hla2_fused.py \
+  tests/unit/ops/test_compile.py tests/unit/launch/model/test_launch_cuda.py \
+  tests/unit/ops/test_precision.py || status=1
 timeout 300 "$PY" benchmarks/bench_gpu.py --out "$OUT" || status=1
 # The fixed cost per layer under context parallelism: one GPU per rank, NCCL, so only
 # where there are at least two GPUs (the one-GPU lease cannot run it).

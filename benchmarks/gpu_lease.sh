@@ -128,8 +128,8 @@ if [ "$DRY" = 1 ]; then
 else
     # -v names each test as it starts, so a stage cut by the budget still says where.
     stage tests 150 "$PY" -m pytest -v -p no:cacheprovider --timeout 60 \
-        tests/unit/test_kernels*.py tests/unit/test_compile.py tests/unit/test_launch_cuda.py \
-        tests/unit/test_precision.py
+        tests/unit/kernels/test_*.py tests/unit/ops/test_compile.py tests/unit/launch/model/test_launch_cuda.py \
+        tests/unit/ops/test_precision.py
 fi
 
 "$PY" benchmarks/gpu_summary.py --dir "$OUT" --budget-s "$BUDGET_S" \

@@ -20,7 +20,7 @@ Each seed is the run :func:`bench_recall.train` makes, up to rounding:
   that stopped keeps training with the others (stacked weights cannot leave the
   stack), but its record is taken at its stop and nothing after counts.
 
-``tests/unit/test_bench_recall_seeds.py`` checks the equality in fp64 against separate runs.
+``tests/unit/benchmarks/test_recall_seeds.py`` checks the equality in fp64 against separate runs.
 """
 
 from __future__ import annotations

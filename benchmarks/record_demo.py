@@ -2,7 +2,7 @@
 
 The command is read from the Makefile's ``demo`` recipe (so the summary is of the demo
 as it stands), with ``$(PY)`` this interpreter and ``runs/demo`` a fresh directory.
-tests/unit/test_docs_numbers.py checks every number the README and docs quote for
+tests/unit/benchmarks/test_docs_numbers.py checks every number the README and docs quote for
 ``make demo`` against the summary, and the summary's command against the Makefile.
 
     python benchmarks/record_demo.py            # -> runs/bench/demo.json

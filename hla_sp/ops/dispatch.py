@@ -22,7 +22,7 @@ intermediates k~ = S q, u = C^T q):
 - ``"fast"``: 16-bit inputs stay 16-bit. Every stage reads 16-bit operands, accumulates
   in fp32 and rounds its output once, so k~ and u are rounded once per stage. On a GPU
   this runs the 16-bit kernels (tensor-core dots, half the bytes, no register spills);
-  the error is that of one bf16 rounding per stage (tests/unit/test_precision.py bounds it).
+  the error is that of one bf16 rounding per stage (tests/unit/ops/test_precision.py bounds it).
 - ``"auto"`` (default): fast for 16-bit inputs on CUDA, exact everywhere else (CPU, the
   interpreter, fp32 and fp64 inputs).
 """

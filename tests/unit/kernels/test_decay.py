@@ -60,7 +60,8 @@ def inputs(huge: float, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def depth(stages: int = 1, tile: int = CHUNK) -> int:
-    """fp32 roundings along one term's path of the mild problem (as tests/unit/test_kernels.py)."""
+    """fp32 roundings along one term's path of the mild problem (as
+    tests/unit/kernels/test_kernels.py)."""
     return stages * (2 * (K + V + T) + 2 * tile * math.ceil(tile * MILD) + 16)
 
 

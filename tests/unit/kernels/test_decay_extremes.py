@@ -148,7 +148,7 @@ def extreme_sp_task(rank: int, P: int, cases: list[dict]) -> list[str]:
 def test_sequence_parallel_exact(world):
     """Two ranks: the huge decay sits mid-chunk in rank 0's shard, so it enters rank 0's
     summary, the cross-rank carry and its backward (fp64 to 1e-10, fp32 within the
-    single-process error, as tests/unit/test_parallel_ops.py)."""
+    single-process error, as tests/unit/parallel/test_primitive.py)."""
     from parallel_cases import OPS, case
 
     cases = []

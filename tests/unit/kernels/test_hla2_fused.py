@@ -2,16 +2,16 @@
 the composition.
 
 The reference is ``hla_sp.hla2`` on the PyTorch path in fp64. Tolerance: the
-condition of the computation, as in tests/unit/test_kernels.py: each output and gradient
+condition of the computation, as in tests/unit/kernels/test_kernels.py: each output and gradient
 within ``d * u * M`` elementwise (``hla_sp.testing.assert_within_rounding``), M the
 same computation in fp64 on absolute values (the loss's sin/cos of the final states
 weighted by 1, a bound on their derivatives), d the roundings of two stages. With
 ``normalize``, o = N / D: the normalised case takes q, k, S0, eta0 >= 0 (as
-tests/unit/test_ops.py does), so D sums positive terms, and the magnitude of o is
+tests/unit/ops/test_ops.py does), so D sums positive terms, and the magnitude of o is
 (|N| + |o| D) / D, of a gradient |dN| / D + |o| |dD| / D. bf16 adds 8 roundings in
 bf16 (the output and the stage-1 key k~ once each, the dot operands of both stages,
 k~'s error through a second product). Runs under the interpreter on CPU, as in
-tests/unit/test_kernels.py, at 1 and 2 threads.
+tests/unit/kernels/test_kernels.py, at 1 and 2 threads.
 """
 
 from __future__ import annotations

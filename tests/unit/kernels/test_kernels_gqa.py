@@ -6,8 +6,8 @@ and dk, dv and the decay's dA are the sums of the group's per-query-head shares.
 machine without CUDA they run under Triton's interpreter (``test_kernels.interp``).
 
 Reference: the PyTorch multi-query path in fp64 (itself checked against the serial
-recurrence to 1e-10 in tests/unit/test_ops_gqa_mq.py). Tolerance: the rounding bound of
-tests/unit/test_kernels.py (``depth`` fp32 roundings times the fp64 magnitude computed on
+recurrence to 1e-10 in tests/unit/ops/test_ops_gqa_mq.py). Tolerance: the rounding bound of
+tests/unit/kernels/test_kernels.py (``depth`` fp32 roundings times the fp64 magnitude computed on
 absolute values), with G more roundings for the sum of a group's shares.
 """
 

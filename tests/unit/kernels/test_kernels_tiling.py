@@ -1,6 +1,6 @@
 """Launch shapes chosen by the ahead-of-time gate (``benchmarks/aot.py``), checked on CPU.
 
-The gate itself (tests/unit/test_aot.py) compiles them; here: the tiling rules and the
+The gate itself (tests/unit/benchmarks/test_aot.py) compiles them; here: the tiling rules and the
 refusal of the one configuration that cannot fit (sequential fused hla2, fp32, K=128).
 """
 

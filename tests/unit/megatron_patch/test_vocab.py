@@ -4,7 +4,7 @@ The trainer's GPTModel (``hla_sp.launch.model.build.build_model``) pads 257 ids 
 (TP 1) or 512 (TP 2) with the default ``--make-vocab-size-divisible-by 128``; its logits
 at the padding ids are -inf, in each TP rank's vocabulary slice, so the loss is the
 softmax over the real ids whatever the padding rows hold, and those rows get no
-gradient. The resumed-at-another-TP check is in tests/unit/test_checkpoint_reshard.py.
+gradient. The resumed-at-another-TP check is in tests/unit/launch/checkpoint/test_sharded.py.
 """
 
 from __future__ import annotations

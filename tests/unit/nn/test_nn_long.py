@@ -1,6 +1,6 @@
 """The layer's defaults at long context: a small model's loss falls, nothing overflows.
 
-Slow (a 64k-token sequence on CPU): ``pytest -m slow tests/unit/test_nn_long.py -s``.
+Slow (a 64k-token sequence on CPU): ``pytest -m slow tests/unit/nn/test_nn_long.py -s``.
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ def _reference_error(op, dtype, q, k, v, g):
 
 
 def _roundings(op, T: int, K: int, V: int, g: torch.Tensor, chunk: int) -> int:
-    """Most fp32 roundings along one term's path, per stage as in tests/unit/test_kernels.py
+    """Most fp32 roundings along one term's path, per stage as in tests/unit/kernels/test_kernels.py
     (casts, dots over K and V, sums over T tokens, decay exponents over a chunk)
     times the operator's stages (hla3: three; the normaliser: one more)."""
     stages = {"linear": 1, "hla3": 3}.get(op.name, 2) + (op.name == "hla2_norm")
