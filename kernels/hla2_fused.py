@@ -65,7 +65,7 @@ SEQUENTIAL_BV = 32  # the V tile's cap (tile_width also caps it by BLOCK_CAP)
 # (inputs, BK, BV, decay, documents, states) -> {arch: bytes spilled per thread (the
 # larger of ptxas's spill stores and loads)}: configurations of the sequential kernel
 # measured ahead of time for sm_80 and sm_90a by `python benchmarks/aot_sequential.py`,
-# which prints this table (tests/unit/benchmarks/test_aot.py checks that it is current). Inputs: "fp32"
+# which prints this table (tests/unit/benchmarks/test_aot.py checks it is current). Inputs: "fp32"
 # (IEEE dots), "tf32", "bf16", "fp16". The launcher refuses those over SPILL_LIMIT on
 # either arch; `--all` measures the configurations not listed yet.
 SequentialKey = tuple[str, int, int, bool, bool, bool]

@@ -156,7 +156,7 @@ def test_real_pretrain_018_provider_api_cp2_equals_cp1():
 
 
 # TP = 2 x CP = 2 through our core attention is checked on megatron-core itself in
-# tests/unit/megatron_patch/test_megatron_cp.py::test_tp2_cp2_matches_tp1_cp1; through Megatron's own
+# tests/unit/megatron_patch/test_megatron_cp.py::test_tp2_cp2_matches_tp1_cp1; via Megatron's own
 # pretrain() (4 ranks, about 60 s) it is slow.
 @pytest.mark.slow
 @pytest.mark.timeout(900)
