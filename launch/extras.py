@@ -8,6 +8,7 @@ hla_sp.launch.train``, the Megatron drop-in), ``"hla-sp[ray]"`` (``hla-sp sweep`
 from __future__ import annotations
 
 import importlib.util
+from types import ModuleType
 
 from hla_sp.launch.errors import ConfigError
 
@@ -41,6 +42,17 @@ def require(extra: str, command: str) -> None:
         )
     if extra == "megatron":
         _megatron_version(command)
+
+
+def pyplot() -> ModuleType:
+    """matplotlib's ``pyplot`` on the Agg backend (files, no display), imported on first
+    use: launch's one import of matplotlib (the plot extra). ImportError when missing."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _megatron_version(command: str) -> None:

@@ -25,7 +25,7 @@ from hla_sp.launch.data.config import RECALL_FILLERS
 
 # The byte-level ids (0..255 bytes, EOD 256) live with the dataset reader, which names
 # the byte vocabulary in its errors; they are this module's too.
-from hla_sp.launch.data.indexed_dataset import BYTE_VOCAB, EOD, IndexedTokens
+from hla_sp.launch.data.indexed_dataset import BYTE_VOCAB, EOD, IndexedTokens, megatron_datasets
 from hla_sp.launch.errors import DatasetError
 
 # synthetic-recall token ranges (all inside the byte vocabulary)
@@ -76,8 +76,6 @@ def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float] | None
     Parsed by megatron-core's own ``get_blend_from_list``; the weights are then checked
     (finite, >= 0, not all 0) and normalised to sum to 1.
     """
-    from megatron.core.datasets.utils import get_blend_from_list
-
     if len(data_path) % 2 == 0:
         # megatron-core reads an even list as weight-prefix pairs when every first of a
         # pair is a number, as prefixes when none is; a mix fails its bare assert
@@ -88,7 +86,7 @@ def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float] | None
             raise DatasetError(
                 f"--data-path {' '.join(data_path)}: expected a number before each prefix "
                 f"(as 0.5 A 0.5 B) or prefixes alone (A B), got {bad!r} where a weight goes")
-    blend = get_blend_from_list(list(data_path))
+    blend = megatron_datasets().get_blend_from_list(list(data_path))
     if blend is None:
         raise DatasetError(f"--data-path: expected prefixes, got {data_path!r}")
     prefixes, weights = blend
@@ -210,13 +208,11 @@ class BlendedSamples:
         self._sample = np.zeros(0, np.int64)
 
     def _grow(self, size: int) -> None:
-        from megatron.core.datasets import helpers
-
         size = max(size, 2 * len(self._dataset), 1024)
         dataset = np.zeros(size, dtype=np.int16)
         sample = np.zeros(size, dtype=np.int64)
-        helpers.build_blending_indices(dataset, sample, self.weights, len(self.sources),
-                                       size, False)
+        megatron_datasets(blending=True).helpers.build_blending_indices(
+            dataset, sample, self.weights, len(self.sources), size, False)
         self._dataset, self._sample = dataset, sample
 
     def __getitem__(self, index: int) -> Sample:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,25 @@ _DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np
            7: np.float32, 8: np.uint16}  # fmt: skip
 # index entries checked per block: 12 MiB of lengths and pointers, 8 MiB of documents
 VALIDATE_BLOCK = 1 << 20
+
+
+def megatron_datasets(blending: bool = False) -> SimpleNamespace:
+    """megatron-core's dataset pieces, imported on first use: the data subpackage's one
+    import of megatron-core (the megatron extra). ``IndexedDataset`` (the .bin reader),
+    ``IndexedDatasetBuilder`` (the writer), ``get_blend_from_list`` (``--data-path``);
+    with ``blending``, also ``helpers``, the compiled blending indices (built in the wheel,
+    not in a source checkout, so only weighted blends ask for them)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    pieces = SimpleNamespace(IndexedDataset=IndexedDataset,
+                             IndexedDatasetBuilder=IndexedDatasetBuilder,
+                             get_blend_from_list=get_blend_from_list)
+    if blending:
+        from megatron.core.datasets import helpers
+
+        pieces.helpers = helpers
+    return pieces
 
 
 @dataclass(frozen=True)
@@ -202,10 +222,8 @@ class IndexedTokens:
     """
 
     def __init__(self, prefixes: list[str], vocab_size: int | None = None):
-        from megatron.core.datasets.indexed_dataset import IndexedDataset
-
         self.infos = [check_indexed_dataset(p) for p in prefixes]
-        self.datasets = [IndexedDataset(p) for p in prefixes]
+        self.datasets = [megatron_datasets().IndexedDataset(p) for p in prefixes]
         self.vocab_size = vocab_size
         # where each dataset starts in the stream (one entry per prefix)
         self._starts = np.cumsum([0] + [i.tokens for i in self.infos], dtype=np.int64)

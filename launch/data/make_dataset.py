@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from hla_sp.launch.config.flags import OneLineParser, plain
 from hla_sp.launch.data.datasets import EOD
+from hla_sp.launch.data.indexed_dataset import megatron_datasets
 from hla_sp.launch.data.tokenizer import (
     BYTES,
     RunTokenizer,
@@ -83,14 +84,12 @@ def make_dataset(
     """Write the dataset and its tokenizer record; return counts. The pair appears only
     once both files are complete; the record is in place before it. ``show_progress``:
     bytes read of the inputs' total, with an ETA, on stderr."""
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
     tok = tokenizer if isinstance(tokenizer, RunTokenizer) else load_tokenizer(tokenizer)
     dtype = token_dtype(tok.vocab_size)
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     tmp = f"{output_prefix}.tmp{os.getpid()}"
     paths = list(iter_files(inputs, suffixes))  # a missing input: before anything is written
-    builder = IndexedDatasetBuilder(tmp + ".bin", dtype=dtype)
+    builder = megatron_datasets().IndexedDatasetBuilder(tmp + ".bin", dtype=dtype)
     docs = tokens = files = 0
     bar = Progress("make-dataset", sum(os.path.getsize(p) for p in paths), "bytes",
                    enabled=show_progress)

@@ -12,6 +12,7 @@ from hla_sp.launch import checkpoint
 from hla_sp.launch.data.indexed_dataset import BYTE_VOCAB
 from hla_sp.launch.eval.command import output_paths
 from hla_sp.launch.eval.tasks import short
+from hla_sp.launch.extras import pyplot
 
 
 def header(plan: Any, topo: Any, command: str) -> dict[str, Any]:
@@ -89,11 +90,7 @@ def line(plan: Any, out: dict[str, Any]) -> str:
 def plot(plan: Any, record: dict[str, Any]) -> str:
     """The PNG: bits per token against position (one line per length), or the passkey
     accuracy by length and depth; returns its path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     path = output_paths(plan.args)[1]
     results = record["results"]
     if plan.args.task == "ppl-by-position":

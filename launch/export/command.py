@@ -39,6 +39,7 @@ import shutil
 import sys
 import warnings
 from importlib.metadata import version
+from types import ModuleType
 
 import torch
 from hla_sp.launch.config.flags import OneLineParser
@@ -219,12 +220,18 @@ def write_export(args: argparse.Namespace, out: str) -> str:
     return summary + f"; logits checked: max difference {err:.1e} of the largest"
 
 
+def _transformers() -> ModuleType:
+    """transformers, imported on first use: export's one import of it (the hf extra)."""
+    import transformers
+
+    return transformers
+
+
 def _save_files(out: str, hf_config: object, state: dict[str, torch.Tensor], tok: object,
                 dtype: str) -> bool:
     """config.json, model.safetensors, generation_config.json, the tokenizer and the
     code into ``out``; returns whether the tokenizer is the byte-level one."""
     from safetensors.torch import save_file
-    from transformers import GenerationConfig
 
     tok.save_pretrained(out)  # type: ignore[attr-defined]
     tok_config_path = os.path.join(out, "tokenizer_config.json")
@@ -243,7 +250,8 @@ def _save_files(out: str, hf_config: object, state: dict[str, torch.Tensor], tok
     hf_config.dtype = {"fp32": "float32", "bf16": "bfloat16"}[dtype]  # type: ignore[attr-defined]
     hf_config.save_pretrained(out)  # type: ignore[attr-defined]
     eod = hf_config.eod_token_id  # type: ignore[attr-defined]
-    GenerationConfig(bos_token_id=eod, eos_token_id=eod, pad_token_id=eod).save_pretrained(out)
+    _transformers().GenerationConfig(bos_token_id=eod, eos_token_id=eod,
+                                     pad_token_id=eod).save_pretrained(out)
     weights = os.path.join(out, "model.safetensors")
     save_file(state, weights, metadata={"format": "pt"})
     umask = os.umask(0)
@@ -257,15 +265,15 @@ def verify(out: str, ids: torch.Tensor, want: torch.Tensor) -> float:
     """Load ``out`` as transformers would (every tensor placed, none left over) and
     compare its fp32 logits on ``ids`` [1, T] with ``want`` [T, vocab]; returns the
     largest difference relative to the largest logit."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
     import hla_sp.hf  # noqa: F401  (registers the model type with the Auto classes)
+
+    transformers = _transformers()
+    hf_logging = transformers.logging
 
     hf_logging.disable_progress_bar()  # the command prints one line
     try:
-        hf, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
-                                                        output_loading_info=True)
+        hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+            out, dtype=torch.float32, output_loading_info=True)
     finally:
         hf_logging.enable_progress_bar()
     wrong = {k: v for k, v in info.items() if v}

@@ -43,11 +43,12 @@ import sys
 import time
 from collections import deque
 from collections.abc import Iterator
+from types import ModuleType
 from typing import Any, TextIO
 
 from hla_sp.launch.checks import validate
 from hla_sp.launch.config.train_config import ConfigError, TrainConfig
-from hla_sp.launch.extras import require
+from hla_sp.launch.extras import pyplot, require
 
 # Re-exported: the sweep's file checks are imported from here (tests, docs).
 from hla_sp.launch.sweep.sweep_config import (
@@ -79,11 +80,20 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _ray() -> ModuleType:
+    """Ray with Ray Train and its torch trainer, imported on first use: the sweep's one
+    import of Ray (the ray extra)."""
+    import ray
+    import ray.train
+    import ray.train.torch
+
+    return ray
+
+
 def _train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     """Runs in each Ray worker: the trainer over Ray's process group, once per sequence
     length (the workers start once per P; each run resets the peak-memory mark)."""
-    import ray.train
-
+    ray = _ray()
     summaries = {}
     for point in config["points"]:
         cfg = TrainConfig.from_dict(point)
@@ -97,17 +107,15 @@ def _run_world_size(
     cfgs: list[TrainConfig], world_size: int, use_gpu: bool, storage: str
 ) -> dict[str, dict[str, Any]]:
     """One TorchTrainer with P workers over all sequence lengths; seq_length -> summary."""
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-
-    trainer = TorchTrainer(
+    train = _ray().train
+    trainer = train.torch.TorchTrainer(
         _train_loop_per_worker,
         train_loop_config={"points": [c.to_dict() for c in cfgs]},
-        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-        scaling_config=ScalingConfig(
+        torch_config=train.torch.TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        scaling_config=train.ScalingConfig(
             num_workers=world_size, use_gpu=use_gpu, resources_per_worker={"CPU": 1}
         ),
-        run_config=RunConfig(name=f"p{world_size}_{int(time.time())}", storage_path=storage),
+        run_config=train.RunConfig(name=f"p{world_size}_{int(time.time())}", storage_path=storage),
     )
     result = trainer.fit()
     summaries = getattr(result, "return_value", None) or (result.metrics or {}).get("points")
@@ -118,9 +126,7 @@ def _run_world_size(
 
 def throughput_figure(ok: list[dict[str, Any]]) -> Any:
     """tokens/s against P, one line per T; P ticks are the world sizes run."""
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig, ax = pyplot().subplots(figsize=(5, 3.5))
     for t in sorted({r["seq_length"] for r in ok}):
         pts = sorted((r["world_size"], r["tokens_per_s"]) for r in ok if r["seq_length"] == t)
         ax.plot([p for p, _ in pts], [v for _, v in pts], marker="o", label=f"T={t:,}")
@@ -134,9 +140,7 @@ def throughput_figure(ok: list[dict[str, Any]]) -> Any:
 
 def memory_figure(ok: list[dict[str, Any]]) -> Any:
     """Peak memory per rank against T, one line per P, on an axis from zero."""
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig, ax = pyplot().subplots(figsize=(5, 3.5))
     for p in sorted({r["world_size"] for r in ok}):
         pts = sorted((r["seq_length"], r["peak_mem_bytes_max"]) for r in ok if r["world_size"] == p)
         ax.plot([t for t, _ in pts], [m / 2**30 for _, m in pts], marker="o", label=f"P={p}")
@@ -167,11 +171,7 @@ def write_outputs(rows: list[dict[str, Any]], out_dir: str) -> list[str]:
                 {**r, "peak_mem_bytes_per_rank": json.dumps(r.get("peak_mem_bytes_per_rank"))}
             )
     ok = [r for r in rows if r["status"] == "ok"]
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     for name, fig in (("throughput_vs_p.png", throughput_figure(ok)),
                       ("memory_vs_seq.png", memory_figure(ok))):
         paths.append(os.path.join(out_dir, name))
@@ -277,7 +277,7 @@ def sweep(config_path: str, output_dir: str | None = None) -> list[dict[str, Any
         if use_gpu and "num_gpus" not in ray_args:
             have["GPU"] = _local_gpus()
         check_resources(config_path, have, need, use_gpu, "local cluster")
-    import ray
+    ray = _ray()
 
     _shutdown_on_signal()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

@@ -10,6 +10,7 @@ import time
 from typing import Any, TextIO
 
 import torch
+from hla_sp.launch.extras import pyplot
 from hla_sp.launch.progress import count, duration
 
 
@@ -115,11 +116,9 @@ def plot_run(jsonl: str) -> str:
     says which extra installs it."""
     png = os.path.splitext(jsonl)[0] + ".png"
     try:
-        import matplotlib
+        plt = pyplot()
     except ImportError:
         return 'plot: skipped, matplotlib is not installed (pip install "hla-sp[plot]")'
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     recs = read_records(jsonl)
     its = [r["iteration"] for r in recs]
