@@ -43,7 +43,7 @@ def test_hung_rank_ends_the_others_after_the_group_timeout(tmp_path: Path) -> No
     )
     assert run.returncode != 0
     assert "Timed out" in run.output or "timeout" in run.output.lower()
-    assert "rank(s) 1 (finished iteration 2, now at faults.py" in run.output, run.output[-3000:]
+    assert "rank(s) 1 (finished iteration 2, now at drills.py" in run.output, run.output[-3000:]
     assert "stuck outside the collective" in run.output
 
 

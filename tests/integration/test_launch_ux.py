@@ -100,7 +100,7 @@ def test_toml_tables_group_keys_and_the_command_line_wins(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize(("text", "needle"), [
     ("seq_len = 4096\n", "unknown key 'seq_len'; did you mean seq-length?"),
-    ("seq_length = 'long'\n", "invalid int value: 'long'"),
+    ("seq_length = 'long'\n", "seq_length: expected an integer, got the string 'long'"),
     ("seq_length = \n", "not valid TOML"),
 ])
 def test_bad_toml_names_the_file_and_key(tmp_path: Path, text: str, needle: str) -> None:
