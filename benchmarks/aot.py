@@ -12,10 +12,12 @@ H100/H200 (sm_90a) and A100 (sm_80) without a GPU.
    by a hash of the kernels' source, the triton version, the configuration and arch.
 3. **Gate.** :func:`failures` lists compile errors, shared memory over the arch's
    limit, kernels never launched, and spills over 1 KiB per thread in any
-   configuration (``hla_sp.kernels._tiles.SPILL_LIMIT``). The capture describes every
-   tuning candidate of the primitive's kernels (``capture(every=True)``), so every
-   configuration a GPU may choose is compiled; ``benchmarks/aot_sequential.py``
-   measures the opt-in sequential fused hla2 for the table its launcher refuses from.
+   configuration (``hla_sp.kernels._tiles.SPILL_LIMIT``). The full capture (``make
+   gpu-aot``) describes every tuning candidate of the primitive's kernels
+   (``capture(every=True)``), so every configuration a GPU may choose is compiled; the
+   test suite's share compiles the candidates the interpreter launches;
+   ``benchmarks/aot_sequential.py`` measures the opt-in sequential fused hla2 for the
+   table its launcher refuses from.
 
 ``UPCAST`` (the interpreter's bf16 emulation) is forced off. ``make gpu-aot`` writes
 ``benchmarks/results/aot.json`` and the table in ``docs/benchmarks.md``;
@@ -157,7 +159,10 @@ def capture(full: bool = True) -> tuple[list[dict[str, Any]], list[str]]:
     before = torch.get_float32_matmul_precision()
     try:
         for case in cases(full):
-            with _jit.capture(every=True) as launched:  # every tuning candidate
+            # make gpu-aot (full): every tuning candidate a GPU may choose; the test
+            # suite's share: the configurations the interpreter launches (the first
+            # candidate of each), which keeps a cold-cache suite minutes shorter
+            with _jit.capture(every=full) as launched:
                 _call(case)
             for job in launched:
                 _for_gpu(job)

@@ -47,7 +47,7 @@ def test_gate_refuses_what_it_should() -> None:
     assert "spills" in aot.failures([_row(spill_stores=1025, default=False)], ["k"])[0]
 
 
-# From a cold cache (a fresh clone, as CI has) the suite's matrix compiles in about 1.5
+# From a cold cache (a fresh clone, as CI has) the suite's matrix compiles in about 3
 # minutes on two cores; `make gpu-aot` runs the full one (about 4 minutes).
 @pytest.mark.timeout(1800)
 def test_aot_gate() -> None:
