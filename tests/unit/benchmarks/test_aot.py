@@ -48,7 +48,8 @@ def test_gate_refuses_what_it_should() -> None:
 
 
 # From a cold cache (a fresh clone, as CI has) the suite's matrix compiles in about 3
-# minutes on two cores; `make gpu-aot` runs the full one (about 4 minutes).
+# minutes on two cores; `make gpu-aot` runs the full one, every tuning candidate (about
+# 40 minutes cold on two shared cores).
 @pytest.mark.timeout(1800)
 def test_aot_gate() -> None:
     """Capture under the interpreter, compile for both archs, and pass the gate."""
