@@ -8,7 +8,9 @@ the fused hla2's ``autograd.Function``) is in :mod:`hla_sp.ops`.
 - :mod:`~hla_sp.kernels.chunk`: the primitive (decayed causal linear attention) as
   one state-pass kernel per direction (fla's chunk_h) -> chunk output kernels and the
   backward kernels;
-  :func:`chunk_forward` / :func:`chunk_backward` take unprepared tensors.
+  :func:`chunk_forward` / :func:`chunk_backward` take unprepared tensors, and
+  isolate documents from non-finite inputs given flags (:func:`new_flags`, one
+  gated poison launch per direction: :mod:`~hla_sp.kernels.poison`).
 - :mod:`~hla_sp.kernels.hla2_fused`: second-order HLA with k~ = S q kept on chip,
   :func:`fused_hla2_forward` / :func:`fused_hla2_backward`.
 - :mod:`~hla_sp.kernels._jit`: kernels are jitted on first launch, so importing this
@@ -21,6 +23,7 @@ how the tests exercise them.
 from ._jit import LAUNCHES, interpreter_mismatch, interpreting
 from .chunk import chunk_backward, chunk_bwd, chunk_forward, chunk_fwd
 from .hla2_fused import MODES, fused_hla2_backward, fused_hla2_forward, sequential_refusal
+from .poison import new_flags
 
 __all__ = [
     "LAUNCHES",
@@ -33,5 +36,6 @@ __all__ = [
     "fused_hla2_forward",
     "interpreter_mismatch",
     "interpreting",
+    "new_flags",
     "sequential_refusal",
 ]

@@ -65,6 +65,7 @@ from ._tiles import Config, primitive_chunk, tuned
 from .chunk_bwd_kernels import chunk_bwd_dqk_kernel, chunk_bwd_dv_kernel
 from .chunk_fwd_kernels import chunk_fwd_o_kernel
 from .chunk_h_kernels import chunk_bwd_dh_kernel, chunk_fwd_h_kernel
+from .poison import new_flags, poison_backward, poison_forward
 
 
 def group_sum(x: torch.Tensor, dim: int, G: int) -> torch.Tensor:
@@ -96,6 +97,7 @@ def chunk_states(
     BT: int,
     store_last: bool = True,
     dtype: torch.dtype | None = None,
+    fl: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """States entering each chunk and the final state (:func:`chunk_fwd_h_kernel`).
 
@@ -103,6 +105,8 @@ def chunk_states(
         k: [B, T, H, K], v: [B, T, H, V], g: [B, T, H] fp32 or None,
         resets: [B, T] int32 or None, h0: [B, H, K, V] fp32 or None.
         dtype: of the per-chunk states; None: :func:`state_dtype`.
+        fl: zeroed flags [B, T + 2, H] int32 that the pass raises for the non-finite
+            k, v, decay and h0 it reads (:mod:`hla_sp.kernels._flags`), or None.
 
     Returns:
         hs: [B, H, N, K, V], the state entering chunk n; h_last: [B, H, K, V] fp32.
@@ -115,12 +119,14 @@ def chunk_states(
 
     def launch(c: Config) -> None:
         chunk_fwd_h_kernel[(triton.cdiv(K, c.BK), triton.cdiv(V, c.BV), B * H)](
-            k, v, g, resets, h0, hs, h_last, T, H, K, V, N,
+            k, v, g, resets, h0, hs, h_last, fl, T, H, K, V, N,
             BT=BT, BK=c.BK, BV=c.BV, HAS_INIT=h0 is not None, STORE_LAST=store_last,
-            **_flags(k, g, resets), num_warps=c.num_warps, num_stages=c.num_stages,
+            FLAG=fl is not None, **_flags(k, g, resets), num_warps=c.num_warps,
+            num_stages=c.num_stages,
         )
 
-    tuned("state", _key(k, hs, g, resets, h0, BT=BT, last=store_last), k.dtype, K, V, launch)
+    tuned("state", _key(k, hs, g, resets, h0, fl, BT=BT, last=store_last), k.dtype, K, V,
+          launch)
     return hs, h_last
 
 
@@ -139,9 +145,15 @@ def chunk_fwd(
     h0: torch.Tensor | None,
     BT: int,
     out_dtype: torch.dtype | None = None,
+    fl: torch.Tensor | None = None,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward on prepared (contiguous, fp32 g/h0, int32 resets) inputs; q may have G
     times k's heads (multi-query: the states once per kv head, read by its G queries).
+
+    With zeroed flags ``fl`` [B, T + 2, H] the state pass raises them and the poison of
+    non-finite inputs is put back in o and h_last (:mod:`hla_sp.kernels.poison`). q is
+    multiplied by ``scale`` at its loads (as torch's ``q * scale``, rounded to its dtype).
 
     Returns:
         o: [B, T, H G, V] in ``out_dtype`` (default q's: rounded once, at the store,
@@ -150,18 +162,20 @@ def chunk_fwd(
     B, T, HQ, K = q.shape
     V = v.shape[-1]
     N, G = triton.cdiv(T, BT), HQ // k.shape[2]
-    hs, h_last = chunk_states(k, v, g, resets, h0, BT)
+    hs, h_last = chunk_states(k, v, g, resets, h0, BT, fl=fl)
     o = torch.empty(B, T, HQ, V, dtype=out_dtype or q.dtype, device=q.device)
 
     def launch(c: Config) -> None:
         chunk_fwd_o_kernel[(N, triton.cdiv(V, c.BV), B * HQ)](
-            q, k, v, hs, g, resets, o, T, HQ, K, V, N, G,
+            q, k, v, hs, g, resets, o, float(scale), T, HQ, K, V, N, G,
             BT=BT, BK=c.BK, BV=c.BV, **_flags(q, g, resets),
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
 
     tuned("out", _key(q, hs, o, g, resets, BT=BT, G=G), q.dtype, K, V, launch)
     assert h_last is not None
+    if fl is not None:
+        poison_forward(fl, g, resets, o, h_last)
     return o, h_last
 
 
@@ -175,11 +189,17 @@ def chunk_bwd(
     do: torch.Tensor,
     dht: torch.Tensor | None,
     BT: int,
+    ff: torch.Tensor | None = None,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Backward on prepared inputs; the chunk states are recomputed, not saved.
 
     Args:
-        do: [B, T, H G, V] contiguous, in q's dtype; dht: [B, H, K, V] fp32 or None.
+        do: [B, T, H G, V] contiguous, in q's dtype; dht: [B, H, K, V] fp32 or None
+            (read clean: NaN and ±inf as 0).
+        ff: the forward's flags [B, T + 2, H]; given, the backward raises its own and
+            puts the poison back in every gradient (:mod:`hla_sp.kernels.poison`).
+        scale: q's, as in :func:`chunk_fwd`; dq is the gradient of the unscaled q.
 
     Returns:
         dq [B, T, H G, K], dk [B, T, H, K], dv [B, T, H, V] in the input dtypes;
@@ -194,15 +214,16 @@ def chunk_bwd(
     hs, _ = chunk_states(k, v, g, resets, h0, BT, store_last=False)
     dhs = torch.empty(B, H, N, K, V, dtype=hs.dtype, device=q.device)
     dh0 = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device) if h0 is not None else None
+    fb = None if ff is None else new_flags(B, T, H, q.device)
 
     def launch_dh(c: Config) -> None:
         chunk_bwd_dh_kernel[(triton.cdiv(K, c.BK), triton.cdiv(V, c.BV), B * H)](
-            q, do, g, resets, dht, dhs, dh0, T, HQ, K, V, N, G,
+            q, do, g, resets, dht, dhs, dh0, fb, float(scale), T, HQ, K, V, N, G,
             BT=BT, BK=c.BK, BV=c.BV, HAS_FINAL=dht is not None, STORE_INIT=h0 is not None,
-            **flags, num_warps=c.num_warps, num_stages=c.num_stages,
+            FLAG=fb is not None, **flags, num_warps=c.num_warps, num_stages=c.num_stages,
         )
 
-    tuned("state", _key(q, dhs, g, resets, dht, h0, BT=BT, G=G, bwd=True), q.dtype, K, V,
+    tuned("state", _key(q, dhs, g, resets, dht, h0, fb, BT=BT, G=G, bwd=True), q.dtype, K, V,
           launch_dh)
     dq = torch.empty_like(q)
     # per query head shares of dk, dv for G > 1, summed per group below in fp32
@@ -211,7 +232,7 @@ def chunk_bwd(
 
     def launch_dv(c: Config) -> None:
         chunk_bwd_dv_kernel[(N, triton.cdiv(V, c.BV), B * HQ)](
-            q, k, do, dhs, g, resets, dv, T, HQ, K, V, N, G,
+            q, k, do, dhs, g, resets, dv, float(scale), T, HQ, K, V, N, G,
             BT=BT, BK=c.BK, BV=c.BV, **flags, num_warps=c.num_warps, num_stages=c.num_stages,
         )
 
@@ -221,7 +242,7 @@ def chunk_bwd(
         dgs = torch.empty(NK, B, T, HQ, dtype=torch.float32, device=q.device) if g is not None \
             else None
         chunk_bwd_dqk_kernel[(N, NK, B * HQ)](
-            q, k, v, do, hs, dhs, g, resets, dq, dk, dgs, T, HQ, K, V, N, G,
+            q, k, v, do, hs, dhs, g, resets, dq, dk, dgs, float(scale), T, HQ, K, V, N, G,
             BT=BT, BK=c.BK, BV=c.BV, **flags, num_warps=c.num_warps, num_stages=c.num_stages,
         )
         return dgs
@@ -233,6 +254,9 @@ def chunk_bwd(
     dg = None
     if dgs is not None:
         dg = group_sum(dgs[0] if dgs.shape[0] == 1 else dgs.sum(0), 2, G)
+    if ff is not None:
+        assert fb is not None
+        poison_backward(ff, fb, g, resets, dq, dk, dv, dg, dh0)
     return dq, dk, dv, dg, dh0
 
 
@@ -281,20 +305,26 @@ def chunk_forward(
     resets: torch.Tensor | None,
     h0: torch.Tensor | None,
     chunk_size: int,
+    flags: torch.Tensor | None = None,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The primitive's forward on the kernels, from unprepared inputs (no autograd).
 
     Args:
-        q: [B, T, H, K], already scaled; k: [B, T, H, K]; v: [B, T, H, V]
+        q: [B, T, H G, K], scaled by ``scale`` in the kernels; k: [B, T, H, K]; v: [B, T, H, V]
             (fp32, fp16 or bf16, one dtype). g: [B, T, H] log-decay or None.
         resets: [B, T] bool or None. h0: [B, H, K, V] or None.
         chunk_size: requested chunk length, clamped to [16, 64] (:func:`primitive_chunk`).
+        flags: zeroed flags [B, T + 2, H] int32 (:func:`new_flags`) to run with document
+            isolation: they are raised for the non-finite inputs and the poison is put
+            back (:mod:`hla_sp.kernels.poison`); :func:`chunk_backward` takes them.
 
     Returns:
-        o [B, T, H, V] in the inputs' dtype and h_last [B, H, K, V] fp32.
+        o [B, T, H G, V] in the inputs' dtype and h_last [B, H, K, V] fp32.
     """
     qp, kp, vp, gp, rp, hp = prepare(q, k, v, g, resets, h0)
-    return chunk_fwd(qp, kp, vp, gp, rp, hp, primitive_chunk(chunk_size, qp.dtype))
+    return chunk_fwd(qp, kp, vp, gp, rp, hp, primitive_chunk(chunk_size, qp.dtype), fl=flags,
+                     scale=scale)
 
 
 def chunk_backward(
@@ -307,19 +337,22 @@ def chunk_backward(
     do: torch.Tensor,
     dht: torch.Tensor | None,
     chunk_size: int,
+    flags: torch.Tensor | None = None,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Gradients of :func:`chunk_forward` given do [B, T, H, V] and dht [B, H, K, V] or None.
+    """Gradients of :func:`chunk_forward` given do [B, T, H G, V], dht [B, H, K, V] or None
+    and the forward's ``flags`` (None: no isolation; the gradients of finite inputs are
+    the same either way).
 
     Returns:
         dq, dk [B, T, H, K], dv [B, T, H, V] in the input dtype; dg [B, T, H] and
         dh0 [B, H, K, V] fp32, None where g or h0 is None.
     """
     qp, kp, vp, gp, rp, hp = prepare(q, k, v, g, resets, h0)
-    # do meets v in a dot, so it takes the input dtype (o's, a no-op then); a non-finite
-    # dh_T is cleaned here (d_last reads it outside the kernels), its poison flagged by
-    # the caller
-    dhp = None if dht is None else torch.nan_to_num(dht.float(), nan=0.0, posinf=0.0, neginf=0.0)
+    # do meets v in a dot, so it takes the input dtype (o's, a no-op then); dh_T is read
+    # clean by the kernel, and flagged there
     return chunk_bwd(
         qp, kp, vp, gp, rp, hp, do.to(qp.dtype).contiguous(),
-        None if dhp is None else dhp.contiguous(), primitive_chunk(chunk_size, qp.dtype),
+        None if dht is None else dht.float().contiguous(),
+        primitive_chunk(chunk_size, qp.dtype), ff=flags, scale=scale,
     )

@@ -24,6 +24,7 @@ def chunk_bwd_dv_kernel(
     g,  # [B, T, H] fp32 (HAS_G)
     r,  # [B, T] int32 (HAS_R)
     dv,  # [B, T, H, V]: per query head (G > 1: the caller sums each group's G)
+    scale,  # fp32: q's scale, applied at its load
     T,
     H,
     K,
@@ -66,6 +67,7 @@ def chunk_bwd_dv_kernel(
         if UPCAST:
             b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
         b_q, b_k = finite(b_q), finite(b_k)  # clean operands (see _round.finite)
+        b_q = operand(b_q.to(tl.float32) * scale, q.dtype.element_ty, UPCAST)
         b_At += tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC)
         b_dh = operand(b_dh, q.dtype.element_ty, UPCAST)
         b_dv += tl.dot(b_k, b_dh, input_precision=DOT_PREC)
@@ -97,6 +99,7 @@ def chunk_bwd_dqk_kernel(
     dq,  # [B, T, H, K]
     dk,  # [B, T, H, K]
     dg,  # [NK, B, T, H] fp32: this K block's share of the decay gradient (HAS_G)
+    scale,  # fp32: q's scale, applied at its load; dq is the raw q's (times scale)
     T,
     H,
     K,
@@ -161,6 +164,7 @@ def chunk_bwd_dqk_kernel(
     if UPCAST:
         b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
     b_q, b_k = finite(b_q), finite(b_k)
+    b_q = operand(b_q.to(tl.float32) * scale, q.dtype.element_ty, UPCAST)
     # the decay weights after the loop, as they are used: not live across it (registers)
     b_wc, b_ws, b_p, b_D = in_chunk_decay(g, r, i_b, i_kh, o_t, T, HK, BT, HAS_G, HAS_R)
     # dk's state term and the chunk's R_n: once per kv head
@@ -170,7 +174,7 @@ def chunk_bwd_dqk_kernel(
     b_dks = b_dk * b_ws[:, None]  # the state's part of dk
     b_dq = b_dq * b_wc[:, None] + tl.dot(b_dP, b_k, input_precision=DOT_PREC)
     b_dk = b_dks + tl.dot(tl.trans(b_dP), b_q, input_precision=DOT_PREC)
-    tl.store(dq + p_qk, round_to(b_dq, dq.dtype.element_ty, UPCAST), mask=m_qk)
+    tl.store(dq + p_qk, round_to(b_dq * scale, dq.dtype.element_ty, UPCAST), mask=m_qk)
     tl.store(dk + p_qk, round_to(b_dk, dk.dtype.element_ty, UPCAST), mask=m_qk)
     if HAS_G:
         b_qf, b_kf = b_q.to(tl.float32), b_k.to(tl.float32)

@@ -23,6 +23,7 @@ def chunk_fwd_o_kernel(
     g,  # [B, T, H] fp32 (HAS_G)
     r,  # [B, T] int32 (HAS_R)
     o,  # [B, T, H, V]
+    scale,  # fp32: q's scale, applied at its load (1.0: q came scaled)
     T,
     H,
     K,
@@ -64,7 +65,9 @@ def chunk_fwd_o_kernel(
         b_h = tl.load(p_h, mask=m_k[:, None] & m_v[None, :], other=0.0)
         if UPCAST:
             b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
-        # q stays as it is: a non-finite q_t reaches its own row, o_t, only
+        # q scaled as torch's q * scale would be: in fp32, rounded to the inputs' dtype; q
+        # stays uncleaned: a non-finite q_t reaches its own row, o_t, only
+        b_q = operand(b_q.to(tl.float32) * scale, q.dtype.element_ty, UPCAST)
         b_k = finite(b_k)
         b_A += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
         b_h = operand(b_h, q.dtype.element_ty, UPCAST)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import triton.language as tl
 
 from ._decay import in_chunk_decay
+from ._flags import raise_state, raise_tokens, rows_bad
 from ._jit import lazy_jit
 from ._round import finite, operand, round_to
 
@@ -40,6 +41,7 @@ def chunk_fwd_h_kernel(
     h0,  # [B, H, K, V] fp32 (HAS_INIT)
     hs,  # [B, H, N, K, V] out: the state entering each chunk
     ht,  # [B, H, K, V] fp32 out: the final state (STORE_LAST)
+    fl,  # [B, T + 2, H] int32 flags, raised here (FLAG; :mod:`hla_sp.kernels._flags`)
     T,
     H,
     K,
@@ -52,10 +54,12 @@ def chunk_fwd_h_kernel(
     HAS_R: tl.constexpr,
     HAS_INIT: tl.constexpr,
     STORE_LAST: tl.constexpr,
+    FLAG: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """The forward state pass over every chunk, one [BK, BV] block of the state."""
+    """The forward state pass over every chunk, one [BK, BV] block of the state; with
+    ``FLAG``, the flags of the non-finite k, v, decay and h0 it reads on the way."""
     i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_bh = i_bh.to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
@@ -66,7 +70,10 @@ def chunk_fwd_h_kernel(
     m_kv = m_k[:, None] & m_v[None, :]
     o_kv = o_k[:, None] * V + o_v[None, :]  # [BK, BV] offsets inside one state
     if HAS_INIT:
-        b_h = finite(tl.load(h0 + i_bh * K * V + o_kv, mask=m_kv, other=0.0))
+        b_h = tl.load(h0 + i_bh * K * V + o_kv, mask=m_kv, other=0.0)
+        if FLAG:
+            raise_state(fl, i_b, i_h, T, H, b_h)
+        b_h = finite(b_h)
     else:
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
     for i_n in range(N):
@@ -80,6 +87,12 @@ def chunk_fwd_h_kernel(
         b_v = tl.load(p_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
         if UPCAST:
             b_k, b_v = b_k.to(tl.float32), b_v.to(tl.float32)
+        if FLAG:
+            b_bad = rows_bad(b_k) | rows_bad(b_v)
+            if HAS_G:  # NaN or +inf; -inf is a cut
+                b_bad = b_bad | ~(tl.load(g + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0)
+                                  < float("inf"))
+            raise_tokens(fl, i_b, i_h, o_t, m_t, T, H, b_bad)
         b_k, b_v = finite(b_k), finite(b_v)  # a zero weight times NaN is still NaN
         _, b_ws, b_p, _ = in_chunk_decay(g, r, i_b, i_h, o_t, T, H, BT, HAS_G, HAS_R)
         b_kw = operand(b_k * b_ws[:, None], k.dtype.element_ty, UPCAST)  # [BT, BK]
@@ -94,9 +107,11 @@ def chunk_bwd_dh_kernel(
     do,  # [B, T, H, V]
     g,  # [B, T, H / G] fp32 log-decay (HAS_G)
     r,  # [B, T] int32 document starts (HAS_R)
-    dht,  # [B, H / G, K, V] fp32, finite (HAS_FINAL)
+    dht,  # [B, H / G, K, V] fp32 (HAS_FINAL), read clean
     dhs,  # [B, H / G, N, K, V] out: the gradient of the state leaving each chunk
     dh0,  # [B, H / G, K, V] fp32 out (STORE_INIT)
+    fl,  # [B, T + 2, H / G] int32 flags of q, do and dh_T, raised here (FLAG)
+    scale,  # fp32: q's scale, applied at its load
     T,
     H,
     K,
@@ -110,10 +125,12 @@ def chunk_bwd_dh_kernel(
     HAS_R: tl.constexpr,
     HAS_FINAL: tl.constexpr,
     STORE_INIT: tl.constexpr,
+    FLAG: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """The reverse state pass over every chunk, one [BK, BV] block of a kv head's state."""
+    """The reverse state pass over every chunk, one [BK, BV] block of a kv head's state;
+    with ``FLAG``, the flags of the non-finite q, do (any head of the group) and dh_T."""
     i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_bh = i_bh.to(tl.int64)  # (batch, kv head)
     HK = H // G
@@ -126,6 +143,9 @@ def chunk_bwd_dh_kernel(
     o_kv = o_k[:, None] * V + o_v[None, :]
     if HAS_FINAL:
         b_dh = tl.load(dht + i_bh * K * V + o_kv, mask=m_kv, other=0.0)
+        if FLAG:
+            raise_state(fl, i_b, i_kh, T, HK, b_dh)
+        b_dh = finite(b_dh)
     else:
         b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     for i in range(N):
@@ -136,6 +156,7 @@ def chunk_bwd_dh_kernel(
         m_t = o_t < T
         b_wc, _, b_p, _ = in_chunk_decay(g, r, i_b, i_kh, o_t, T, HK, BT, HAS_G, HAS_R)
         b_u = tl.zeros([BK, BV], dtype=tl.float32)
+        b_bad = m_t & (o_i < 0)  # all False
         for j in tl.static_range(G):
             i_h = i_kh * G + j
             p_q = q + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :]
@@ -144,9 +165,14 @@ def chunk_bwd_dh_kernel(
             b_do = tl.load(p_do, mask=m_t[:, None] & m_v[None, :], other=0.0)
             if UPCAST:
                 b_q, b_do = b_q.to(tl.float32), b_do.to(tl.float32)
+            if FLAG:
+                b_bad = b_bad | rows_bad(b_q) | rows_bad(b_do)
             b_q, b_do = finite(b_q), finite(b_do)
+            b_q = operand(b_q.to(tl.float32) * scale, q.dtype.element_ty, UPCAST)
             b_qw = operand(b_q * b_wc[:, None], q.dtype.element_ty, UPCAST)  # [BT, BK]
             b_u += tl.dot(tl.trans(b_qw), b_do, input_precision=DOT_PREC)
+        if FLAG:
+            raise_tokens(fl, i_b, i_kh, o_t, m_t, T, HK, b_bad)
         b_dh = b_p * b_dh + b_u
     if STORE_INIT:
         tl.store(dh0 + i_bh * K * V + o_kv, b_dh, mask=m_kv)

@@ -102,22 +102,27 @@ def backend_for(x: torch.Tensor) -> str:
 
 def triton_chunk_forward(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, resets: Tensor | None,
-    h0: Tensor | None, chunk_size: int,
-) -> tuple[Tensor, Tensor]:
-    """:func:`hla_sp.kernels.chunk.chunk_forward`: o [B, T, H, V], h_last [B, H, K, V], fp32."""
-    from hla_sp.kernels import chunk_forward
+    h0: Tensor | None, chunk_size: int, scale: float = 1.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`hla_sp.kernels.chunk.chunk_forward`: o [B, T, H, V], h_last [B, H, K, V]
+    fp32, isolated; and the flags [B, T + 2, H] int32 its backward takes."""
+    from hla_sp.kernels import chunk_forward, new_flags
 
-    return chunk_forward(q, k, v, g, resets, h0, chunk_size)
+    flags = new_flags(k.shape[0], k.shape[1], k.shape[2], k.device)
+    o, h = chunk_forward(q, k, v, g, resets, h0, chunk_size, flags, scale)
+    return o, h, flags
 
 
 def triton_chunk_backward(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, resets: Tensor | None,
-    h0: Tensor | None, do: Tensor, dht: Tensor | None, chunk_size: int,
+    h0: Tensor | None, do: Tensor, dht: Tensor | None, chunk_size: int, flags: Tensor,
+    scale: float = 1.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
-    """:func:`hla_sp.kernels.chunk.chunk_backward`: dq, dk, dv, dg (fp32 or None), dh0."""
+    """:func:`hla_sp.kernels.chunk.chunk_backward`: dq, dk, dv, dg (fp32 or None), dh0,
+    isolated by the forward's ``flags``."""
     from hla_sp.kernels import chunk_backward
 
-    return chunk_backward(q, k, v, g, resets, h0, do, dht, chunk_size)
+    return chunk_backward(q, k, v, g, resets, h0, do, dht, chunk_size, flags, scale)
 
 
 def triton_fused_hla2_forward(

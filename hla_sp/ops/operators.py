@@ -193,7 +193,7 @@ _builtin(OperatorSpec(
 _builtin(OperatorSpec(
     "linear", C.LinearState, (Field("h", "kv", ("K", "V")),), C.linear_stages,
     public=linear_attention, reference=R.recurrent_linear_attention, higher_order=False,
-    precision=False, bare_state=True))
+    precision=False, bare_state=True, scale_in_kernels=True))
 if {n: s.facts() for n, s in TABLE.items()} != BUILTIN_OPERATORS:
     raise RuntimeError(
         "hla_sp.config.BUILTIN_OPERATORS differs from the operator table: "

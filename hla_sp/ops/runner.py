@@ -63,15 +63,16 @@ class _Stages:
 
     def __init__(self, G: int, g: torch.Tensor | None, *, docs: BatchPlan | None,
                  want_final: bool, chunk_size: int, sp: SequenceParallelism | None,
-                 plan: Any):
+                 plan: Any, scale: float = 1.0):
         self.G, self.g, self.cu, self.want_final = G, g, docs, want_final
+        self.scale = scale  # q's, applied by every stage (1.0: q arrives scaled)
         self.chunk_size, self.sp, self.plan = chunk_size, sp, plan
         self.gq = None if g is None or G == 1 else g.repeat_interleave(G, dim=-1)
         self.shared_plan = plan if G == 1 else None
 
     def _primitive(self, q, k, v, g, h0, cu, plan):
         return primitive(q, k, v, g, docs=cu, h0=h0, want_final=self.want_final,
-                         chunk_size=self.chunk_size, sp=self.sp, call=plan)
+                         chunk_size=self.chunk_size, sp=self.sp, call=plan, scale=self.scale)
 
     def per_head(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  h0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -91,7 +92,7 @@ class _Stages:
             # queries each), as a chunk of the sub-tokens below does; chunk_size tokens
             # would make the in-chunk block G times larger and cost more than it saves.
             return primitive(q, k, v, self.g, docs=self.cu, h0=h0, want_final=self.want_final,
-                             chunk_size=max(1, self.chunk_size // G))
+                             chunk_size=max(1, self.chunk_size // G), scale=self.scale)
         B, T, Hq, K = q.shape
         Hkv = k.shape[2]
         # [B, T, Hkv, G, K] -> [B, T, G, Hkv, K] -> [B, T*G, Hkv, K]: sub-token j reads head j.
@@ -244,14 +245,18 @@ def execute(
             agree["precision"] = precision
         agreed = sp.check_call(x, op=spec.name if G == 1 else f"{spec.name}/gqa{G}",
                                options=agree)
+    # The scale rides into the kernels where the stages read q only as a query.
+    inside = spec.scale_in_kernels
     stages = _Stages(G, x.g, docs=x.plan, want_final=output_final_state,
-                     chunk_size=x.chunk_size, sp=sp, plan=agreed)
+                     chunk_size=x.chunk_size, sp=sp, plan=agreed,
+                     scale=x.scale if inside else 1.0)
     # One stage has nothing to exchange between stages: it runs in the inputs' dtype.
     cdt = stage_dtype(precision, q.dtype) if spec.precision else q.dtype
     ctx = StageContext(stages.shared, stages.per_head,
                        expand=(lambda t: t) if G == 1 else
                        (lambda t: t.repeat_interleave(G, dim=2)),
                        key_mix=key_mix, value_mix=value_mix, mix_norm=mix_norm, options=opts)
-    o, final = spec.stages(ctx, q.to(cdt) * x.scale, k.to(cdt), v.to(cdt), s0)
+    qs = q.to(cdt) if inside else q.to(cdt) * x.scale
+    o, final = spec.stages(ctx, qs, k.to(cdt), v.to(cdt), s0)
     state = spec.state_type(*final) if output_final_state else None
     return o.to(q.dtype), state

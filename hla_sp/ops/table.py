@@ -298,6 +298,9 @@ class OperatorSpec:
             exchange between stages, so ``linear_attention`` does not).
         bare_state: whether ``public`` takes and returns the state's one tensor
             instead of the tuple.
+        scale_in_kernels: whether its stages read q only as the query of primitive
+            calls (their ``qs`` is then the unscaled q, and the stages multiply it by
+            the scale inside the kernels, with no pass of its own).
     """
 
     name: str
@@ -312,6 +315,7 @@ class OperatorSpec:
     higher_order: bool = True
     precision: bool = True
     bare_state: bool = False
+    scale_in_kernels: bool = False
 
     def facts(self) -> OperatorFacts:
         """The torch-free part that ``hla_sp.config`` holds."""

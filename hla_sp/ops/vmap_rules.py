@@ -1,4 +1,4 @@
-"""``torch.vmap`` rules of the chunk operators (:mod:`hla_sp.ops.primitive`).
+"""``torch.vmap`` rules of the chunk operators (:mod:`hla_sp.ops.chunk_op`).
 
 ``torch.vmap`` over a model (stacked weights, e.g. many seeds trained in one process)
 reaches the operators with a vmapped dimension. Without a rule vmap would run them once
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from hla_sp.ops.primitive import chunk_linear_attention_bwd_op, chunk_linear_attention_op
+from hla_sp.ops.chunk_op import chunk_linear_attention_bwd_op, chunk_linear_attention_op
 
 Tensor = torch.Tensor
 

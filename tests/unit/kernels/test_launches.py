@@ -2,12 +2,15 @@
 
 Counted with the launch capture of ``hla_sp.kernels._jit`` (the one the ahead-of-time
 gate uses): launches are described, not run, so the count is exact and needs no GPU.
-The primitive's forward is a state pass and an output kernel; its backward recomputes
-the states, runs their gradients in reverse, then dv and dq/dk/dg: six launches, with
-or without a decay, documents or states (no serial decay-gradient pass, no separate
-chunk-state kernel); hla2, two passes of the primitive, twelve. Under
-``capture(every=True)`` every tuning candidate of a launch is described as well,
-which is what the gate compiles.
+The primitive's forward is a state pass, an output kernel and the gated poison; its
+backward recomputes the states, runs their gradients in reverse, then dv and
+dq/dk/dg and the gated poison: eight launches, with or without a decay, documents or
+states (no serial decay-gradient pass, no separate chunk-state kernel, no flag pass);
+hla2, two passes of the primitive, sixteen. Under ``capture(every=True)`` every tuning
+candidate of a launch is described as well, which is what the gate compiles.
+
+The whole step's launches, PyTorch's included, are counted from the profiler's
+operator events (:func:`_all_launches`).
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ import torch
 
 import hla_sp
 
-STEP = ["chunk_fwd_h_kernel", "chunk_fwd_o_kernel", "chunk_fwd_h_kernel",
-        "chunk_bwd_dh_kernel", "chunk_bwd_dv_kernel", "chunk_bwd_dqk_kernel"]
+STEP = ["chunk_fwd_h_kernel", "chunk_fwd_o_kernel", "poison_fwd_kernel", "chunk_fwd_h_kernel",
+        "chunk_bwd_dh_kernel", "chunk_bwd_dv_kernel", "chunk_bwd_dqk_kernel",
+        "poison_bwd_kernel"]
+UNTUNED = {"poison_fwd_kernel", "poison_bwd_kernel"}
 
 
 @pytest.fixture
@@ -53,15 +58,15 @@ def _step(dtype: torch.dtype, docs: bool, every: bool = False, op: str = "linear
 
 @pytest.mark.parametrize("docs", [False, True], ids=["plain", "docs-states"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_six_launches_per_step(triton_path: None, dtype: torch.dtype, docs: bool) -> None:
+def test_eight_launches_per_step(triton_path: None, dtype: torch.dtype, docs: bool) -> None:
     assert _step(dtype, docs) == STEP
 
 
 def test_hla2_is_two_primitive_steps(triton_path: None) -> None:
     """hla2 runs the primitive twice (k~ = LA(q, k, k), then LA(q, k~, v)), forward and
-    backward: twelve launches, the same six kernels twice."""
+    backward: sixteen launches, the same eight kernels twice."""
     launched = _step(torch.bfloat16, docs=False, op="hla2")
-    assert len(launched) == 12 and sorted(launched) == sorted(STEP + STEP)
+    assert len(launched) == 16 and sorted(launched) == sorted(STEP + STEP)
 
 
 def test_capture_every_candidate(triton_path: None) -> None:
@@ -74,6 +79,66 @@ def test_capture_every_candidate(triton_path: None) -> None:
     roles = {"chunk_fwd_h_kernel": "state", "chunk_bwd_dh_kernel": "state",
              "chunk_fwd_o_kernel": "out", "chunk_bwd_dv_kernel": "out",
              "chunk_bwd_dqk_kernel": "dqk"}
-    want = sum(len(candidates(roles[name], torch.bfloat16, 32, 32)) for name in STEP)
+    want = sum(1 if name in UNTUNED else len(candidates(roles[name], torch.bfloat16, 32, 32))
+               for name in STEP)
     assert len(every) == want > len(STEP)
     assert set(every) == set(STEP)
+
+
+# PyTorch operators that launch no kernel: views, allocations, metadata, and the host
+# read of a CPU scalar (on a GPU the decay's value check runs on the device instead,
+# as max, le and _assert_async, which this count then includes).
+NO_LAUNCH = frozenset(f"aten::{n}" for n in (
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "view",
+    "_unsafe_view", "_reshape_alias", "reshape", "as_strided", "transpose", "t", "permute",
+    "expand", "expand_as", "broadcast_to", "unsqueeze", "squeeze", "unflatten", "slice",
+    "select", "narrow", "detach", "alias", "lift_fresh", "resize_", "contiguous", "to",
+    "result_type", "is_nonzero", "item", "_local_scalar_dense",
+))
+
+
+def _all_launches(decay: bool) -> list[str]:
+    """Every launch of one ``linear_attention`` forward and backward (bf16, no
+    documents): the Triton kernels from the capture, and PyTorch's from the profiler's
+    operator events, counting an operator that calls no other launching one."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from hla_sp.kernels import _jit
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    T, H, D = 64, 2, 32
+    q, k, v = (torch.randn(1, T, H, D, device=device).to(torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    g = (-0.1 * torch.rand(H, device=device)).requires_grad_() if decay else None
+    inputs = [q, k, v] + ([g] if decay else [])
+    do = torch.randn(1, T, H, D, device=device).to(torch.bfloat16)
+
+    def step() -> None:
+        o, _ = hla_sp.linear_attention(q, k, v, log_decay=g)
+        torch.autograd.grad(o, inputs, do)
+
+    with _jit.capture():
+        step()  # first calls: imports, tuning caches
+    with profile(activities=[ProfilerActivity.CPU]) as prof, _jit.capture() as launched:
+        step()
+
+    def launches(e: object) -> bool:
+        return e.name.startswith("aten::") and e.name not in NO_LAUNCH  # type: ignore[attr-defined]
+
+    ops = [e.name for e in prof.events()
+           if launches(e) and not any(launches(c) for c in e.cpu_children)]
+    return ops + [job["kernel"] for job in launched]
+
+
+@pytest.mark.parametrize("decay", [False, True], ids=["plain", "decay"])
+def test_at_most_fifteen_launches_per_step(triton_path: None, decay: bool) -> None:
+    """A forward and backward without documents launches at most 15 kernels, PyTorch's
+    included: the eight of the primitive, the two zeroed flag buffers, and with a
+    per-head decay its value check, its layout and the gradient's sum over [B, T] (on a
+    GPU two more of the check: le and _assert_async). q's scale is applied in the
+    kernels, and isolation adds no pass: the flags come from the kernels' loads."""
+    names = _all_launches(decay)
+    assert len(names) <= 15, names
+    flag_work = {"aten::amax", "aten::amin", "aten::cumsum", "aten::cummax", "aten::_cummax_helper",
+                 "aten::nan_to_num", "aten::abs", "aten::masked_fill_", "aten::where"}
+    assert not flag_work & set(names), names
