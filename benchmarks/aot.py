@@ -47,8 +47,9 @@ DOC = ROOT / "docs" / "benchmarks.md"
 ARCHS = {"sm_90a": 90, "sm_80": 80}
 SHARED_LIMIT = {"sm_90a": 232_448, "sm_80": 166_912}  # opt-in max per block, bytes
 # what a compile depends on besides the job itself (launchers only choose the jobs)
-KERNEL_FILES = ("_decay.py", "_jit.py", "_round.py", "chunk_fwd_kernels.py",
-                "chunk_bwd_kernels.py", "chunk_h_kernels.py", "hla2_fused_kernels.py")
+KERNEL_FILES = ("_decay.py", "_flags.py", "_jit.py", "_round.py", "chunk_fwd_kernels.py",
+                "chunk_bwd_kernels.py", "chunk_h_kernels.py", "hla2_fused_kernels.py",
+                "poison_kernels.py")
 TABLE_BEGIN = "<!-- aot-table:begin (make gpu-aot writes this table) -->"
 TABLE_END = "<!-- aot-table:end -->"
 
@@ -236,7 +237,8 @@ def _compile_one(job: dict[str, Any], arch: str, src_hash: str) -> dict[str, Any
         import hla_sp.kernels.chunk_bwd_kernels
         import hla_sp.kernels.chunk_fwd_kernels
         import hla_sp.kernels.chunk_h_kernels
-        import hla_sp.kernels.hla2_fused_kernels  # noqa: F401
+        import hla_sp.kernels.hla2_fused_kernels
+        import hla_sp.kernels.poison_kernels  # noqa: F401
         import triton
         from hla_sp.kernels._jit import KERNELS
         from triton.backends.compiler import GPUTarget

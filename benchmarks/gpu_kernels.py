@@ -38,6 +38,7 @@ import torch
 # chunk_state_kernel + state_passing_kernel (fwd_h), chunk_fwd_o_kernel,
 # chunk_bwd_dv_kernel, chunk_bwd_dqk_kernel, reverse_cumsum_kernel.
 ROLES: tuple[tuple[str, str], ...] = (
+    ("poison", r"poison"),  # ours: the gated isolation launches (one word read when finite)
     ("bwd_dh", r"bwd\w*_dh|dh\w*bwd|state\w*(rev|bwd)|(rev|bwd)\w*state"),
     ("bwd_dv", r"bwd\w*_dv|dv\w*bwd"),
     ("bwd_dqk", r"bwd\w*_dq|dqk"),

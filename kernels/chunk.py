@@ -152,8 +152,9 @@ def chunk_fwd(
     times k's heads (multi-query: the states once per kv head, read by its G queries).
 
     With zeroed flags ``fl`` [B, T + 2, H] the state pass raises them and the poison of
-    non-finite inputs is put back in o and h_last (:mod:`hla_sp.kernels.poison`). q is
-    multiplied by ``scale`` at its loads (as torch's ``q * scale``, rounded to its dtype).
+    non-finite inputs is put back in o and h_last (:mod:`hla_sp.kernels.poison`). q's
+    ``scale`` multiplies the fp32 products of q (as fla does): no scaled copy of q is
+    made, nor held in registers, and q is rounded once, as it came.
 
     Returns:
         o: [B, T, H G, V] in ``out_dtype`` (default q's: rounded once, at the store,

@@ -24,7 +24,7 @@ def chunk_bwd_dv_kernel(
     g,  # [B, T, H] fp32 (HAS_G)
     r,  # [B, T] int32 (HAS_R)
     dv,  # [B, T, H, V]: per query head (G > 1: the caller sums each group's G)
-    scale,  # fp32: q's scale, applied at its load
+    scale,  # fp32: q's scale, applied to the fp32 products of q
     T,
     H,
     K,
@@ -67,7 +67,6 @@ def chunk_bwd_dv_kernel(
         if UPCAST:
             b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
         b_q, b_k = finite(b_q), finite(b_k)  # clean operands (see _round.finite)
-        b_q = operand(b_q.to(tl.float32) * scale, q.dtype.element_ty, UPCAST)
         b_At += tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC)
         b_dh = operand(b_dh, q.dtype.element_ty, UPCAST)
         b_dv += tl.dot(b_k, b_dh, input_precision=DOT_PREC)
@@ -80,7 +79,7 @@ def chunk_bwd_dv_kernel(
     _, b_ws, _, b_D = in_chunk_decay(g, r, i_b, i_kh, o_t, T, HK, BT, HAS_G, HAS_R)
     b_ws = tl.where(i_h % G == 0, b_ws, 0.0)
     b_Dt = tl.trans(b_D)  # [BT(j), BT(t)]: row j (key), column t (query)
-    b_AD = operand(b_At * b_Dt, q.dtype.element_ty, UPCAST)
+    b_AD = operand(b_At * (b_Dt * scale), q.dtype.element_ty, UPCAST)
     b_dv = b_dv * b_ws[:, None] + tl.dot(b_AD, b_do, input_precision=DOT_PREC)
     tl.store(dv + p_v, round_to(b_dv, dv.dtype.element_ty, UPCAST),
              mask=m_t[:, None] & m_v[None, :])
@@ -99,7 +98,7 @@ def chunk_bwd_dqk_kernel(
     dq,  # [B, T, H, K]
     dk,  # [B, T, H, K]
     dg,  # [NK, B, T, H] fp32: this K block's share of the decay gradient (HAS_G)
-    scale,  # fp32: q's scale, applied at its load; dq is the raw q's (times scale)
+    scale,  # fp32: q's scale, applied to the fp32 products of q; dq is the raw q's
     T,
     H,
     K,
@@ -164,7 +163,6 @@ def chunk_bwd_dqk_kernel(
     if UPCAST:
         b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
     b_q, b_k = finite(b_q), finite(b_k)
-    b_q = operand(b_q.to(tl.float32) * scale, q.dtype.element_ty, UPCAST)
     # the decay weights after the loop, as they are used: not live across it (registers)
     b_wc, b_ws, b_p, b_D = in_chunk_decay(g, r, i_b, i_kh, o_t, T, HK, BT, HAS_G, HAS_R)
     # dk's state term and the chunk's R_n: once per kv head
@@ -173,13 +171,14 @@ def chunk_bwd_dqk_kernel(
     b_dP = operand(b_dP * b_D, q.dtype.element_ty, UPCAST)
     b_dks = b_dk * b_ws[:, None]  # the state's part of dk
     b_dq = b_dq * b_wc[:, None] + tl.dot(b_dP, b_k, input_precision=DOT_PREC)
-    b_dk = b_dks + tl.dot(tl.trans(b_dP), b_q, input_precision=DOT_PREC)
+    # dq_s, dk of the scaled q's problem; dq = scale dq_s (the raw q's)
+    b_dk = b_dks + scale * tl.dot(tl.trans(b_dP), b_q, input_precision=DOT_PREC)
     tl.store(dq + p_qk, round_to(b_dq * scale, dq.dtype.element_ty, UPCAST), mask=m_qk)
     tl.store(dk + p_qk, round_to(b_dk, dk.dtype.element_ty, UPCAST), mask=m_qk)
     if HAS_G:
         b_qf, b_kf = b_q.to(tl.float32), b_k.to(tl.float32)
         # this K block's part of dA_t = q_t . dq_t - k_t . dk_t, from the fp32 values
-        b_dA = tl.sum(b_qf * b_dq - b_kf * b_dk, 1)  # [BT]
+        b_dA = tl.sum(scale * b_qf * b_dq - b_kf * b_dk, 1)  # [BT]
         # and of R_n, what the later chunks add to the chunk's last segment
         b_R = b_p * tl.sum(tl.sum(b_hdh, 1), 0) + tl.sum(tl.sum(b_kf * b_dks, 1), 0)
         # segments: cut at document starts and log-decays of -inf. Across a cut the

@@ -23,7 +23,7 @@ def chunk_fwd_o_kernel(
     g,  # [B, T, H] fp32 (HAS_G)
     r,  # [B, T] int32 (HAS_R)
     o,  # [B, T, H, V]
-    scale,  # fp32: q's scale, applied at its load (1.0: q came scaled)
+    scale,  # fp32: q's scale, applied to the fp32 products of q (1.0: q came scaled)
     T,
     H,
     K,
@@ -65,9 +65,7 @@ def chunk_fwd_o_kernel(
         b_h = tl.load(p_h, mask=m_k[:, None] & m_v[None, :], other=0.0)
         if UPCAST:
             b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
-        # q scaled as torch's q * scale would be: in fp32, rounded to the inputs' dtype; q
-        # stays uncleaned: a non-finite q_t reaches its own row, o_t, only
-        b_q = operand(b_q.to(tl.float32) * scale, q.dtype.element_ty, UPCAST)
+        # q stays as it is: a non-finite q_t reaches its own row, o_t, only
         b_k = finite(b_k)
         b_A += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
         b_h = operand(b_h, q.dtype.element_ty, UPCAST)
@@ -79,7 +77,8 @@ def chunk_fwd_o_kernel(
     b_v = finite(b_v)
     # the decay weights after the loop, as they are used: not live across it (registers)
     b_wc, _, _, b_D = in_chunk_decay(g, r, i_b, i_kh, o_t, T, HK, BT, HAS_G, HAS_R)
-    b_AD = operand(b_A * b_D, q.dtype.element_ty, UPCAST)
-    b_o = b_o * b_wc[:, None] + tl.dot(b_AD, b_v, input_precision=DOT_PREC)
+    # q's scale on the fp32 products (no register held for a scaled q)
+    b_AD = operand(b_A * (b_D * scale), q.dtype.element_ty, UPCAST)
+    b_o = b_o * (b_wc * scale)[:, None] + tl.dot(b_AD, b_v, input_precision=DOT_PREC)
     p_o = ((i_b * T + o_t[:, None]) * H + i_h) * V + o_v[None, :]
     tl.store(o + p_o, round_to(b_o, o.dtype.element_ty, UPCAST), mask=m_t[:, None] & m_v[None, :])

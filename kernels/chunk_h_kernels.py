@@ -111,7 +111,7 @@ def chunk_bwd_dh_kernel(
     dhs,  # [B, H / G, N, K, V] out: the gradient of the state leaving each chunk
     dh0,  # [B, H / G, K, V] fp32 out (STORE_INIT)
     fl,  # [B, T + 2, H / G] int32 flags of q, do and dh_T, raised here (FLAG)
-    scale,  # fp32: q's scale, applied at its load
+    scale,  # fp32: q's scale, applied to the chunk's fp32 sum over q
     T,
     H,
     K,
@@ -168,11 +168,10 @@ def chunk_bwd_dh_kernel(
             if FLAG:
                 b_bad = b_bad | rows_bad(b_q) | rows_bad(b_do)
             b_q, b_do = finite(b_q), finite(b_do)
-            b_q = operand(b_q.to(tl.float32) * scale, q.dtype.element_ty, UPCAST)
             b_qw = operand(b_q * b_wc[:, None], q.dtype.element_ty, UPCAST)  # [BT, BK]
             b_u += tl.dot(tl.trans(b_qw), b_do, input_precision=DOT_PREC)
         if FLAG:
             raise_tokens(fl, i_b, i_kh, o_t, m_t, T, HK, b_bad)
-        b_dh = b_p * b_dh + b_u
+        b_dh = b_p * b_dh + b_u * scale
     if STORE_INIT:
         tl.store(dh0 + i_bh * K * V + o_kv, b_dh, mask=m_kv)

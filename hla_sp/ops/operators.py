@@ -180,20 +180,23 @@ _Q_H = Field("H", "q", ("K", "V"))
 _builtin(OperatorSpec(
     "hla2", C.HLA2State, (_KV_S, _Q_H, Field("eta", "q", ("K",), when="normalize")),
     C.hla2_stages, public=hla2, reference=R.recurrent_hla2,
-    key_mix=True, options=("normalize", "eps", "ridge")))
+    key_mix=True, options=("normalize", "eps", "ridge"),
+    scale_in_kernels=lambda options: not options["ridge"]))
 _builtin(OperatorSpec(
     "ahla", C.AHLAState, (_KV_C, _Q_H), C.ahla_stages,
-    public=ahla, reference=R.recurrent_ahla, value_mix=True))
+    public=ahla, reference=R.recurrent_ahla, value_mix=True,
+    scale_in_kernels=lambda options: True))
 _builtin(OperatorSpec(
     "hla3", C.HLA3State, (_KV_S, _KV_C, _Q_H), C.hla3_stages,
-    public=hla3, reference=R.recurrent_hla3, key_mix=True, value_mix=True))
+    public=hla3, reference=R.recurrent_hla3, key_mix=True, value_mix=True,
+    scale_in_kernels=lambda options: True))
 _builtin(OperatorSpec(
     "ccq", C.CCQState, (_KV_S, Field("h", "kv", ("K", "V"))), C.ccq_stages,
     public=ccq, reference=R.recurrent_ccq, key_mix=True))
 _builtin(OperatorSpec(
     "linear", C.LinearState, (Field("h", "kv", ("K", "V")),), C.linear_stages,
     public=linear_attention, reference=R.recurrent_linear_attention, higher_order=False,
-    precision=False, bare_state=True, scale_in_kernels=True))
+    precision=False, bare_state=True, scale_in_kernels=lambda options: True))
 if {n: s.facts() for n, s in TABLE.items()} != BUILTIN_OPERATORS:
     raise RuntimeError(
         "hla_sp.config.BUILTIN_OPERATORS differs from the operator table: "

@@ -64,6 +64,9 @@ class _Stages:
     def __init__(self, G: int, g: torch.Tensor | None, *, docs: BatchPlan | None,
                  want_final: bool, chunk_size: int, sp: SequenceParallelism | None,
                  plan: Any, scale: float = 1.0):
+        # a per-head decay arrives broadcast ([H] -> [B, T, H]): laid out once per call,
+        # not once per stage
+        g = None if g is None else g.contiguous()
         self.G, self.g, self.cu, self.want_final = G, g, docs, want_final
         self.scale = scale  # q's, applied by every stage (1.0: q arrives scaled)
         self.chunk_size, self.sp, self.plan = chunk_size, sp, plan
@@ -246,7 +249,7 @@ def execute(
         agreed = sp.check_call(x, op=spec.name if G == 1 else f"{spec.name}/gqa{G}",
                                options=agree)
     # The scale rides into the kernels where the stages read q only as a query.
-    inside = spec.scale_in_kernels
+    inside = spec.scale_in_kernels(opts)
     stages = _Stages(G, x.g, docs=x.plan, want_final=output_final_state,
                      chunk_size=x.chunk_size, sp=sp, plan=agreed,
                      scale=x.scale if inside else 1.0)

@@ -298,9 +298,11 @@ class OperatorSpec:
             exchange between stages, so ``linear_attention`` does not).
         bare_state: whether ``public`` takes and returns the state's one tensor
             instead of the tuple.
-        scale_in_kernels: whether its stages read q only as the query of primitive
-            calls (their ``qs`` is then the unscaled q, and the stages multiply it by
-            the scale inside the kernels, with no pass of its own).
+        scale_in_kernels: (options) -> whether, with those options, its stages read q
+            only as the query of primitive calls whose outputs are not queries again:
+            ``qs`` is then the unscaled q and every stage multiplies it by the scale
+            inside the kernels, with no pass of its own (hla2 with ``ridge`` adds
+            ridge q to k~, and ccq's second query is S q, already scaled: not those).
     """
 
     name: str
@@ -315,7 +317,7 @@ class OperatorSpec:
     higher_order: bool = True
     precision: bool = True
     bare_state: bool = False
-    scale_in_kernels: bool = False
+    scale_in_kernels: Callable[[Mapping[str, Any]], bool] = lambda options: False
 
     def facts(self) -> OperatorFacts:
         """The torch-free part that ``hla_sp.config`` holds."""

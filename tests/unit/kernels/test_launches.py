@@ -101,9 +101,8 @@ def _all_launches(decay: bool) -> list[str]:
     """Every launch of one ``linear_attention`` forward and backward (bf16, no
     documents): the Triton kernels from the capture, and PyTorch's from the profiler's
     operator events, counting an operator that calls no other launching one."""
-    from torch.profiler import ProfilerActivity, profile
-
     from hla_sp.kernels import _jit
+    from torch.profiler import ProfilerActivity, profile
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     T, H, D = 64, 2, 32
