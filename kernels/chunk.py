@@ -192,7 +192,9 @@ def chunk_bwd(
     BT: int,
     ff: torch.Tensor | None = None,
     scale: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    v_is_k: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+           torch.Tensor | None]:
     """Backward on prepared inputs; the chunk states are recomputed, not saved.
 
     Args:
@@ -201,10 +203,13 @@ def chunk_bwd(
         ff: the forward's flags [B, T + 2, H]; given, the backward raises its own and
             puts the poison back in every gradient (:mod:`hla_sp.kernels.poison`).
         scale: q's, as in :func:`chunk_fwd`; dq is the gradient of the unscaled q.
+        v_is_k: v is k (the key moment S = sum k k^T): k's two gradients are summed in
+            the dq/dk kernel's epilogue, in fp32, and dk is their sum.
 
     Returns:
-        dq [B, T, H G, K], dk [B, T, H, K], dv [B, T, H, V] in the input dtypes;
-        dg [B, T, H] fp32 (None without g); dh0 [B, H, K, V] fp32 (None without h0).
+        dq [B, T, H G, K], dk [B, T, H, K], dv [B, T, H, V] (None when ``v_is_k``) in
+        the input dtypes; dg [B, T, H] fp32 (None without g); dh0 [B, H, K, V] fp32
+        (None without h0).
     """
     B, T, HQ, K = q.shape
     H, V = k.shape[2], v.shape[-1]
@@ -243,21 +248,26 @@ def chunk_bwd(
         dgs = torch.empty(NK, B, T, HQ, dtype=torch.float32, device=q.device) if g is not None \
             else None
         chunk_bwd_dqk_kernel[(N, NK, B * HQ)](
-            q, k, v, do, hs, dhs, g, resets, dq, dk, dgs, float(scale), T, HQ, K, V, N, G,
-            BT=BT, BK=c.BK, BV=c.BV, **flags, num_warps=c.num_warps, num_stages=c.num_stages,
+            q, k, v, do, hs, dhs, g, resets, dq, dk, dgs, dv if v_is_k else None, float(scale),
+            T, HQ, K, V, N, G, BT=BT, BK=c.BK, BV=c.BV, ADD_DV=v_is_k, **flags,
+            num_warps=c.num_warps, num_stages=c.num_stages,
         )
         return dgs
 
     tuned("out", _key(q, dhs, dv, g, resets, BT=BT, G=G, dv=True), q.dtype, K, V, launch_dv)
-    dgs = tuned("dqk", _key(q, hs, dq, dk, g, resets, BT=BT, G=G), q.dtype, K, V, launch_dqk)
+    dgs = tuned("dqk", _key(q, hs, dq, dk, g, resets, BT=BT, G=G, v_is_k=v_is_k), q.dtype, K, V,
+                launch_dqk)
+    if v_is_k:
+        dv = None  # summed into dk
     if G > 1:
-        dk, dv = group_sum(dk, 2, G).to(k.dtype), group_sum(dv, 2, G).to(v.dtype)
+        dk = group_sum(dk, 2, G).to(k.dtype)
+        dv = None if dv is None else group_sum(dv, 2, G).to(v.dtype)
     dg = None
     if dgs is not None:
         dg = group_sum(dgs[0] if dgs.shape[0] == 1 else dgs.sum(0), 2, G)
     if ff is not None:
         assert fb is not None
-        poison_backward(ff, fb, g, resets, dq, dk, dv, dg, dh0)
+        poison_backward(ff, fb, g, resets, dq, dk, dk if dv is None else dv, dg, dh0)
     return dq, dk, dv, dg, dh0
 
 
@@ -340,10 +350,13 @@ def chunk_backward(
     chunk_size: int,
     flags: torch.Tensor | None = None,
     scale: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    v_is_k: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+           torch.Tensor | None]:
     """Gradients of :func:`chunk_forward` given do [B, T, H G, V], dht [B, H, K, V] or None
     and the forward's ``flags`` (None: no isolation; the gradients of finite inputs are
-    the same either way).
+    the same either way); with ``v_is_k`` (v is k) dk holds both of k's gradients and dv
+    is None (:func:`chunk_bwd`).
 
     Returns:
         dq, dk [B, T, H, K], dv [B, T, H, V] in the input dtype; dg [B, T, H] and
@@ -355,5 +368,5 @@ def chunk_backward(
     return chunk_bwd(
         qp, kp, vp, gp, rp, hp, do.to(qp.dtype).contiguous(),
         None if dht is None else dht.float().contiguous(),
-        primitive_chunk(chunk_size, qp.dtype), ff=flags, scale=scale,
+        primitive_chunk(chunk_size, qp.dtype), ff=flags, scale=scale, v_is_k=v_is_k,
     )

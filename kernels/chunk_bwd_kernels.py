@@ -98,6 +98,7 @@ def chunk_bwd_dqk_kernel(
     dq,  # [B, T, H, K]
     dk,  # [B, T, H, K]
     dg,  # [NK, B, T, H] fp32: this K block's share of the decay gradient (HAS_G)
+    dv,  # [B, T, H, V = K]: the value's gradient, added into dk (ADD_DV: v is k)
     scale,  # fp32: q's scale, applied to the fp32 products of q; dq is the raw q's
     T,
     H,
@@ -111,10 +112,12 @@ def chunk_bwd_dqk_kernel(
     BV: tl.constexpr,
     HAS_G: tl.constexpr,
     HAS_R: tl.constexpr,
+    ADD_DV: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """dq, dk of one chunk and one K block, and that block's share of dg.
+    """dq, dk of one chunk and one K block, and that block's share of dg; with
+    ``ADD_DV`` (the value is the key, as in S = sum k k^T) dk + dv, summed in fp32.
 
     dq_t = sum_j D[t, j] (do_t . v_j) k_j + wc_t (h_in do_t)
     dk_j = sum_t D[t, j] (do_t . v_j) q_t + ws_j (dh_n v_j)
@@ -174,7 +177,10 @@ def chunk_bwd_dqk_kernel(
     # dq_s, dk of the scaled q's problem; dq = scale dq_s (the raw q's)
     b_dk = b_dks + scale * tl.dot(tl.trans(b_dP), b_q, input_precision=DOT_PREC)
     tl.store(dq + p_qk, round_to(b_dq * scale, dq.dtype.element_ty, UPCAST), mask=m_qk)
-    tl.store(dk + p_qk, round_to(b_dk, dk.dtype.element_ty, UPCAST), mask=m_qk)
+    b_dkv = b_dk
+    if ADD_DV:  # the same [BT, BK] block of dv (V = K, one layout)
+        b_dkv += tl.load(dv + p_qk, mask=m_qk, other=0.0).to(tl.float32)
+    tl.store(dk + p_qk, round_to(b_dkv, dk.dtype.element_ty, UPCAST), mask=m_qk)
     if HAS_G:
         b_qf, b_kf = b_q.to(tl.float32), b_k.to(tl.float32)
         # this K block's part of dA_t = q_t . dq_t - k_t . dk_t, from the fp32 values

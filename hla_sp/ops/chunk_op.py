@@ -151,13 +151,16 @@ def chunk_linear_attention_bwd_op(
     chunk_size: int,
     backend: str,
     scale: float = 1.0,
+    v_is_k: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of :func:`chunk_linear_attention_op` (``bad``: its third output); dg,
-    dh0 empty when g, h0 are None; dq that of the unscaled q."""
+    dh0 empty when g, h0 are None; dq that of the unscaled q. With ``v_is_k`` (the
+    forward's v was k) dk is k's whole gradient, summed in the kernels' epilogue, and
+    dv is empty."""
     G = _check_groups(q, k)
     if backend == "triton":
         dq, dk, dv, dg, dh0 = triton_chunk_backward(
-            q, k, v, g, resets, h0, do, dht, chunk_size, bad, scale
+            q, k, v, g, resets, h0, do, dht, chunk_size, bad, scale, v_is_k
         )
     else:
         q = scaled_query(q, scale)
@@ -170,28 +173,28 @@ def chunk_linear_attention_bwd_op(
             poison_grads([_by_kv_head(dq, G), dk, dv, dg], dh0, k, flags, g, resets, h0,
                          dht)
         dq = scaled_query(dq, scale)
+        if v_is_k:
+            dk, dv = dk + dv, None
     # Contiguous, in the inputs' dtypes: exactly what the fake below promises.
-    # (Two distinct empties: outputs of an operator may not alias each other.)
+    # (Distinct empties: outputs of an operator may not alias each other.)
     dg = q.new_empty(0) if dg is None else dg.to(g.dtype).contiguous()
     dh0 = q.new_empty(0) if dh0 is None else dh0.to(h0.dtype).contiguous()
-    return (
-        dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous(),
-        dg, dh0,
-    )
+    dv = q.new_empty(0) if dv is None else dv.to(v.dtype).contiguous()
+    return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv, dg, dh0
 
 
 @chunk_linear_attention_bwd_op.register_fake
 def _(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, resets: Tensor | None,
     h0: Tensor | None, do: Tensor, dht: Tensor | None, bad: Tensor, chunk_size: int,
-    backend: str, scale: float = 1.0,
+    backend: str, scale: float = 1.0, v_is_k: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     def like(x: Tensor) -> Tensor:
         return x.new_empty(x.shape)  # contiguous, whatever x's strides
 
     dg = q.new_empty(0) if g is None else like(g)
     dh0 = q.new_empty(0) if h0 is None else like(h0)
-    return like(q), like(k), like(v), dg, dh0
+    return like(q), like(k), q.new_empty(0) if v_is_k else like(v), dg, dh0
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -199,6 +202,10 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     ctx.save_for_backward(q, k, v, g, resets, h0, output[2])
     ctx.chunk_size, ctx.backend, ctx.scale = chunk_size, backend, scale
     ctx.has_g, ctx.has_h0 = g is not None, h0 is not None
+    # S = sum k k^T passes k as the value too: k's two gradients are then summed in the
+    # kernels (no add pass). Identity is what eager calls keep; a traced call that loses
+    # it gets two gradients that autograd adds, as before.
+    ctx.v_is_k = k is v
     # An unused output gets None, not zeros: no fill launch, no dh_T read by the kernels.
     ctx.set_materialize_grads(False)
 
@@ -210,11 +217,12 @@ def _backward(
     if do is None:
         do = q.new_zeros(*q.shape[:3], v.shape[-1], dtype=_o_dtype(q, ctx.backend))
     dq, dk, dv, dg, dh0 = chunk_linear_attention_bwd_op(
-        q, k, v, g, resets, h0, do, dht, bad, ctx.chunk_size, ctx.backend, ctx.scale
+        q, k, v, g, resets, h0, do, dht, bad, ctx.chunk_size, ctx.backend, ctx.scale,
+        ctx.v_is_k,
     )
     return (
-        dq, dk, dv, dg if ctx.has_g else None, None, dh0 if ctx.has_h0 else None, None, None,
-        None,
+        dq, dk, None if ctx.v_is_k else dv, dg if ctx.has_g else None, None,
+        dh0 if ctx.has_h0 else None, None, None, None,
     )
 
 

@@ -116,13 +116,13 @@ def triton_chunk_forward(
 def triton_chunk_backward(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, resets: Tensor | None,
     h0: Tensor | None, do: Tensor, dht: Tensor | None, chunk_size: int, flags: Tensor,
-    scale: float = 1.0,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
-    """:func:`hla_sp.kernels.chunk.chunk_backward`: dq, dk, dv, dg (fp32 or None), dh0,
-    isolated by the forward's ``flags``."""
+    scale: float = 1.0, v_is_k: bool = False,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """:func:`hla_sp.kernels.chunk.chunk_backward`: dq, dk, dv (None when ``v_is_k``: in
+    dk), dg (fp32 or None), dh0, isolated by the forward's ``flags``."""
     from hla_sp.kernels import chunk_backward
 
-    return chunk_backward(q, k, v, g, resets, h0, do, dht, chunk_size, flags, scale)
+    return chunk_backward(q, k, v, g, resets, h0, do, dht, chunk_size, flags, scale, v_is_k)
 
 
 def triton_fused_hla2_forward(

@@ -1,0 +1,64 @@
+"""The key moment S = sum k k^T passes k as the value too (hla2, hla3, ccq): k's two
+gradients, as the key and as the value, are summed in the dq/dk kernel's epilogue in
+fp32, not by an autograd add over [B, T, H, K] afterwards."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+H, K, T = 2, 16, 40
+
+
+@pytest.fixture
+def interpreted(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    pytest.importorskip("triton")
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    yield
+
+
+def _inputs(G: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(G)
+
+    def r(*s: int) -> torch.Tensor:
+        return torch.randn(*s, generator=gen).to(DEVICE)
+
+    return dict(q=r(1, T, H * G, K), k=r(1, T, H, K) * 0.5, g=-0.2 * r(1, T, H).abs(),
+                h0=r(1, H, K, K), do=r(1, T, H * G, K), dht=r(1, H, K, K))
+
+
+@pytest.mark.parametrize("G", [1, 2], ids=["mha", "gqa"])
+def test_kernels_sum_k_gradients(interpreted: None, G: int) -> None:
+    """chunk_backward(v_is_k=True): dk is the key's plus the value's gradient of the call
+    with a separate v (to fp32 rounding: summed once in fp32 instead of twice rounded),
+    dv is None, and dq, dg, dh0 are bit for bit those of that call."""
+    from hla_sp import kernels
+
+    x = _inputs(G)
+    args = (x["g"], None, x["h0"], x["do"], x["dht"], 16)
+    dq, dk, dv, dg, dh0 = kernels.chunk_backward(x["q"], x["k"], x["k"].clone(), *args)
+    one = kernels.chunk_backward(x["q"], x["k"], x["k"], *args, v_is_k=True)
+    assert one[2] is None
+    want = dk + dv
+    assert float((one[1] - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    for a, b in zip((dq, dg, dh0), (one[0], one[3], one[4]), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_autograd_gives_k_one_gradient(interpreted: None) -> None:
+    """Through the operator, k passed as both key and value gets one gradient (the
+    operator returns none for v), equal to the sum of the two of a separate v."""
+    from hla_sp.ops.primitive import chunk_linear_attention_triton
+
+    x = _inputs(1)
+    k1 = x["k"].clone().requires_grad_()
+    k2, v2 = x["k"].clone().requires_grad_(), x["k"].clone().requires_grad_()
+    for k, v in ((k1, k1), (k2, v2)):
+        o, _ = chunk_linear_attention_triton(x["q"], k, v, x["g"], chunk_size=16, scale=0.5)
+        (o * x["do"]).sum().backward()
+    want = k2.grad + v2.grad
+    assert float((k1.grad - want).abs().max()) <= 1e-5 * float(want.abs().max())
