@@ -17,7 +17,7 @@ import torch
 from test_kernels import DEVICE, interp  # noqa: F401  (the fixture)
 
 import hla_sp
-from hla_sp.ops import primitive
+from hla_sp.ops import chunk_op
 
 N, B, T, H, K, V = 3, 2, 24, 2, 8, 8
 
@@ -44,13 +44,13 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     """Every run of the torch backend's forward and backward scans, with its batch."""
     calls: list[tuple[str, int]] = []
     for name in ("chunk_forward", "chunk_backward"):
-        real = getattr(primitive, name)
+        real = getattr(chunk_op, name)
 
         def spy(q, *a, _real=real, _name=name, **kw):
             calls.append((_name, q.shape[0]))
             return _real(q, *a, **kw)
 
-        monkeypatch.setattr(primitive, name, spy)
+        monkeypatch.setattr(chunk_op, name, spy)
     return calls
 
 

@@ -23,7 +23,7 @@ from hla_sp.parallel import SequenceParallel
 
 def _order_task(rank: int, P: int, method: str, overlap: bool, split: bool) -> list[str]:
     """One linear_attention fwd+bwd under sp; the order of start / local / wait events."""
-    import hla_sp.ops.primitive as custom_op
+    import hla_sp.ops.chunk_op as custom_op
     from hla_sp.ops.chunk_split import SplitChunks
     from hla_sp.parallel import exchange
     from hla_sp.parallel import primitive as prim
