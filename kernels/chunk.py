@@ -34,8 +34,10 @@ a chunk-local reverse cumsum of dA and no pass runs serially over T (the last ch
 R is <dh_T, h_T>). dg is summed over t's segment only (cut at document starts and
 log-decays of -inf): the terms of a later segment cancel only to rounding. Every
 kernel computes on clean operands (NaN and ±inf read as 0,
-:func:`hla_sp.kernels._round.finite`); the autograd glue in :mod:`hla_sp.ops` puts
-the poison of non-finite inputs back by flags.
+:func:`hla_sp.kernels._round.finite`). Given flags, the state passes raise them for
+the non-finite rows they read (:mod:`hla_sp.kernels._flags`) and one gated launch
+per direction puts the poison back (:mod:`hla_sp.kernels.poison`); finite inputs pay
+a word read per (batch, head) for it.
 
 The h0 terms need nothing extra: exp(A_t) q_t^T h0 is inside q_t . dq_t, and
 exp(A_T) h0 is inside <dh_T, h_T>.

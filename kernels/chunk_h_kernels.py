@@ -17,6 +17,10 @@ starts and hard resets are selects inside the weights (p_n = 0, ws_j = 0 before 
 start, wc_t = 0 after one): :func:`hla_sp.kernels._decay.in_chunk_decay`, of which
 these kernels read no [BT, BT] pair weight.
 
+With ``FLAG`` each pass also raises the flags of the non-finite rows it reads (k, v,
+the decay and h0 forward; q, the cotangent and dh_T backward) from the comparison it
+makes to clean them (:mod:`hla_sp.kernels._flags`): isolation needs no pass of its own.
+
 The per-chunk states are stored in ``hs``'s dtype: the inputs' dtype for 16-bit inputs
 (the output and gradient kernels round them to that dtype as dot operands anyway, so
 the result is unchanged and the traffic halves), fp32 for fp32 inputs.

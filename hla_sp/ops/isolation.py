@@ -17,7 +17,11 @@ back by flags, with selects:
   the outputs' cotangent, its carried-in or final state's) is non-finite.
 
 Everything here is [B, T, H] flags (1/K of the inputs) and selects on tensors that
-exist already; there is no host synchronisation. One limit remains: finite inputs so
+exist already; there is no host synchronisation. This module serves the PyTorch chunk
+path, the fused hla2, sequence parallelism and the documents' carries; the Triton
+kernels of the primitive raise the same flags from their own loads and put the poison
+back in their own gated launch (``hla_sp.kernels.poison``, the same rules, tested
+against these). One limit remains: finite inputs so
 large that a product overflows make an inf inside the arithmetic, which is not
 tracked.
 """
