@@ -234,9 +234,11 @@ def chunk_bwd(
     tuned("state", _key(q, dhs, g, resets, dht, h0, fb, BT=BT, G=G, bwd=True), q.dtype, K, V,
           launch_dh)
     dq = torch.empty_like(q)
-    # per query head shares of dk, dv for G > 1, summed per group below in fp32
-    share = q.new_empty if G == 1 else functools.partial(q.new_empty, dtype=torch.float32)
-    dk, dv = share(B, T, HQ, K), share(B, T, HQ, V)
+    # per query head shares of dk, dv for G > 1, summed per group below in fp32; a dv
+    # that the dq/dk kernel adds into dk (v_is_k) is kept in fp32 too: one rounding
+    f32 = functools.partial(q.new_empty, dtype=torch.float32)
+    dk = q.new_empty(B, T, HQ, K) if G == 1 else f32(B, T, HQ, K)
+    dv = q.new_empty(B, T, HQ, V) if G == 1 and not v_is_k else f32(B, T, HQ, V)
 
     def launch_dv(c: Config) -> None:
         chunk_bwd_dv_kernel[(N, triton.cdiv(V, c.BV), B * HQ)](

@@ -15,7 +15,8 @@ Segments are cut at document starts (``resets``) and log-decays of -inf. One pro
 per (batch, kv head) reads its gate word first (:mod:`hla_sp.kernels._flags`) and
 does nothing else on a 0: finite inputs cost one launch and one word per (b, h). The
 work itself (only with a flag raised) is a scan over T in blocks, with a set/reset
-carry from block to block, and masked stores of NaN.
+carry from block to block (the backward's reverse scan runs forward over the tokens
+loaded last to first), and masked stores of NaN.
 """
 
 from __future__ import annotations
@@ -143,15 +144,18 @@ def poison_bwd_kernel(
         # t's segment is the last and dh_T was flagged), kept in bit 1 of fb
         carry = last
         for i in range(NB):
-            o_t = (NB - 1 - i) * BLOCK + o_i
+            # the block's tokens from last to first: a forward scan over them is the
+            # reverse scan (no reverse=True, whose lowering an order-sensitive combine
+            # would have to trust)
+            o_t = (NB - 1 - i) * BLOCK + (BLOCK - 1 - o_i)
             m_t = o_t < T
             own = tl.load(bb + o_t * H, mask=m_t, other=0)
             bad = own | tl.load(bf + o_t * H, mask=m_t, other=0)
             # t ends a segment when t + 1 starts one
             cut = _cuts(g, r, i_b, i_h, o_t + 1, o_t + 1 < T, T, H, HAS_G, HAS_R)
-            rr, vv = tl.associative_scan((cut, bad), 0, _set_reset, reverse=True)
+            rr, vv = tl.associative_scan((cut, bad), 0, _set_reset)
             sf = vv | (carry & (rr == 0).to(tl.int32))
-            carry = _at(sf, o_i, 0)
+            carry = _at(sf, o_i, BLOCK - 1)  # the block's first token
             tl.store(bb + o_t * H, own | (sf << 1), mask=m_t)
         tl.debug_barrier()
         # 2. from the start: at or before t (or the first segment and h0 flagged); a

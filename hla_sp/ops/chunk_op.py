@@ -15,14 +15,15 @@ Two operators, both taking the backend name chosen by :mod:`hla_sp.ops.dispatch`
     hla_sp::chunk_linear_attention(q, k, v, g?, resets?, h0?, chunk_size, backend, scale)
         -> (o [B, T, H G, V], h_last [B, H, K, V], bad), q [B, T, H G, K]
         against k, v of H heads (G > 1: multi-query, query head h G + j reads kv head
-        h's state, built once); q is multiplied by ``scale`` inside (by the kernels at
-        their loads); h_last in the compute dtype (fp32, or fp64 for fp64 inputs on
+        h's state, built once); q is multiplied by ``scale`` inside (the kernels scale
+        the fp32 products of q); h_last in the compute dtype (fp32, or fp64 for fp64 inputs on
         the torch backend), o too on the torch backend and in the inputs' dtype on the
         Triton one (its kernels round it once, at the store), bad the flags of the
-        non-finite k, v, decay (and h0) kept for the backward: [B, T, H] bool on the
-        torch backend, the kernels' [B, T + 2, H] int32 on the Triton one
+        non-finite k, v, decay kept for the backward: [B, T, H] bool on the torch
+        backend, the kernels' [B, T + 2, H] int32 on the Triton one (h0's too)
     hla_sp::chunk_linear_attention_bwd(q, k, v, g?, resets?, h0?, do, dht?, bad,
-        chunk_size, backend, scale) -> (dq, dk, dv, dg, dh0)
+        chunk_size, backend, scale, v_is_k) -> (dq, dk, dv, dg, dh0), with ``v_is_k``
+        (the forward's v was k itself) dk k's whole gradient and dv empty
 
 Absent gradients (no g, no h0) come back as empty tensors, because an operator's
 outputs must be tensors; the autograd formula turns them back into None. Under
@@ -98,7 +99,7 @@ def chunk_linear_attention_op(
 
 
 def scaled_query(q: Tensor, scale: float) -> Tensor:
-    """q * scale on the torch backend (the kernels scale q at their loads)."""
+    """q * scale on the torch backend (the kernels scale the fp32 products of q)."""
     return q if scale == 1.0 else q * scale
 
 

@@ -6,8 +6,9 @@ within its segment no earlier output. Masks cannot promise that: a matmul adds
 0 * NaN = NaN, so a zero weight on a non-finite operand still poisons every row it is
 summed into, whatever selects the weights went through. So every path computes on
 *clean* operands, the non-finite entries replaced by 0 (in place on the copies the
-chunk paths make anyway, or at the load in the Triton kernels), and puts the poison
-back by flags, with selects:
+chunk paths make anyway, or at the load in the Triton kernels; q may stay as it is
+where it reaches only its own output row), and puts the poison back by flags, with
+selects:
 
 - forward: an output is NaN when a token at or before it in its segment had a
   non-finite k, v or decay (its own non-finite q makes it NaN by itself), or when its

@@ -127,8 +127,8 @@ def local_primitive(
     """The primitive on one process, from validated inputs.
 
     Args:
-        q: [B, T, H, K], to be multiplied by ``scale`` (by the kernels, at their loads:
-            no pass of its own). k: [B, T, H, K]. v: [B, T, H, V].
+        q: [B, T, H, K], to be multiplied by ``scale`` (by the kernels, on the fp32
+            products of q: no pass of its own). k: [B, T, H, K]. v: [B, T, H, V].
         g: [B, T, H] log-decay or None.
         bounds: document offsets [N + 1] as Python ints (B == 1), or None.
         resets: their [1, T] resets when the batch's plan holds them already (built

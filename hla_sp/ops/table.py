@@ -168,7 +168,9 @@ class StageContext:
         return _mix(higher, self.value_mix, lambda: self.expand(v), self.mix_norm)
 
 
-# The stages of each operator: (ctx, qs [B, T, Hq, K] scaled, k [B, T, Hkv, K],
+# The stages of each operator: (ctx, qs [B, T, Hq, K] scaled, or unscaled when the
+# entry's ``scale_in_kernels`` says so for the call's options (every primitive call of
+# the stages then scales it in the kernels), k [B, T, Hkv, K],
 # v [B, T, Hkv, V] in the compute dtype, the initial state's fields in the order of the
 # state tuple) -> (o [B, T, Hq, V] in the compute dtype, the final state's fields).
 StagesFn = Callable[

@@ -88,12 +88,24 @@ def test_poison_where_torch_puts_it(interpreted: None, poison: str, G: int, cu: 
     _assert_same(_run("triton", *args, reset=35), _run("torch", *args, reset=35))
 
 
-@pytest.mark.parametrize("poison", ["v-nan", "do-nan"])
-def test_poison_across_scan_blocks(interpreted: None, poison: str) -> None:
+ACROSS = {
+    # a flag in block 0 carried forward through block 1 into block 2 (document at 100)
+    "v-nan-30": ("v", 30, 0, NAN, [0, 100, 150]),
+    # block 1, the reverse carry back into block 0 (the backward's whole segment)
+    "do-nan-70": ("do", 70, 1, NAN, [0, 100, 150]),
+    "v-nan-70": ("v", 70, 1, NAN, [0, 100, 150]),
+    # the states' words carried over every block, without documents
+    "h0-nan": ("h0", 0, 1, NAN, None),
+    "dht-inf": ("dht", 0, 0, INF, None),
+}
+
+
+@pytest.mark.parametrize("case", list(ACROSS), ids=str)
+def test_poison_across_scan_blocks(interpreted: None, case: str) -> None:
     """T = 150: the poison kernels scan T in blocks of 64, carrying the segment's state
-    from block to block, in both directions; a document starts at 100, mid-block."""
-    where, _, h, value = POISONS[poison]
-    args = (150, [0, 100, 150], 1, (where, 70, h, value))
+    from block to block, forward and backward."""
+    where, t, h, value, cu = ACROSS[case]
+    args = (150, cu, 1, (where, t, h, value))
     _assert_same(_run("triton", *args), _run("torch", *args))
 
 
