@@ -75,21 +75,32 @@ def test_losses_equal_the_unsharded_run(runs: dict) -> None:
 
 
 def test_weights_and_moments_equal_the_unsharded_run(runs: dict) -> None:
+    """Masters, moments and bf16 weights of the sharded run against the unsharded one.
+
+    At iteration 2 they agree to fp32 rounding (measured: 3.3e-7 of the largest, no
+    bf16 weight rounded the other way). A master a few fp32 ulps off can round the
+    other way in bf16, one bf16 ulp; from then on every gradient of the two runs
+    differs a little, and the moments with it (iteration 4, measured: 8 of 40,656 bf16
+    weights one ulp apart, moments 8e-4 of the largest). Iteration 4 is held to what
+    such flips explain; a real sharding error (a wrong shard, a missed reduction) moves
+    most elements by O(1) and fails at both."""
     d = runs["dir"]
-    a, b = _tensors(d / "plain", 4), _tensors(d / "dp2", 4)
-    # the same keys: the flag's checkpoint is the format of a run without it
-    assert sorted(a) == sorted(b)
-    assert any(k.startswith("optimizer.state.fp32_param.") for k in a)
-    assert any(k.startswith("optimizer.state.exp_avg_sq.") for k in a)
-    for k in a:
-        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
-        x, y = a[k].float(), b[k].float()
-        if a[k].dtype == torch.float32:  # masters, moments: measured 5e-7 of the largest
-            assert (x - y).abs().max() <= 1e-5 * x.abs().max(), k
-        else:  # bf16 weights: a master a few ulps off can round the other way, one
-            # bf16 ulp (measured: 1 element in 8,192); a real error moves most of them
-            assert ((x - y).abs() <= 2**-7 * x.abs()).all(), k
-            assert (x != y).float().mean() < 1e-3, k
+    for it, rel_fp32, flip_share in ((2, 1e-5, 0.0), (4, 5e-3, 1e-3)):
+        a, b = _tensors(d / "plain", it), _tensors(d / "dp2", it)
+        # the same keys: the flag's checkpoint is the format of a run without it
+        assert sorted(a) == sorted(b)
+        assert any(k.startswith("optimizer.state.fp32_param.") for k in a)
+        assert any(k.startswith("optimizer.state.exp_avg_sq.") for k in a)
+        flips = n16 = 0
+        for k in a:
+            assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+            x, y = a[k].float(), b[k].float()
+            if a[k].dtype == torch.float32:  # masters and moments
+                assert (x - y).abs().max() <= rel_fp32 * x.abs().max(), (it, k)
+            else:  # bf16 weights: at most one bf16 ulp apart
+                assert ((x - y).abs() <= 2**-7 * x.abs()).all(), (it, k)
+                flips, n16 = flips + int((x != y).sum()), n16 + x.numel()
+        assert flips <= flip_share * n16, (it, flips, n16)
 
 
 def test_resume_is_bitwise(runs: dict) -> None:
