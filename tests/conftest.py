@@ -41,6 +41,18 @@ def num_threads(request: pytest.FixtureRequest) -> Iterator[int]:
 
 
 @pytest.fixture
+def interpreted(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The Triton kernels runnable here: on the GPU with CUDA, else under Triton's
+    interpreter (``TRITON_INTERPRET=1``, which the kernels read at launch)."""
+    pytest.importorskip("triton")
+    import torch
+
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    yield
+
+
+@pytest.fixture
 def group(tmp_path) -> Iterator[None]:
     """A one-rank gloo group in this process (file:// rendezvous, no port)."""
     import torch.distributed as dist

@@ -10,8 +10,6 @@ on CPU (``TRITON_INTERPRET=1``), on the GPU with CUDA.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -21,14 +19,6 @@ from hla_sp.ops.dispatch import use_backend
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NAN, INF = float("nan"), float("inf")
 H, K, V = 2, 16, 16
-
-
-@pytest.fixture
-def interpreted(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    pytest.importorskip("triton")
-    if DEVICE == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    yield
 
 
 def _run(backend: str, T: int, cu: list[int] | None, G: int, poison: tuple, *,

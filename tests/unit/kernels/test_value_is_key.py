@@ -4,21 +4,11 @@ fp32, not by an autograd add over [B, T, H, K] afterwards."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, K, T = 2, 16, 40
-
-
-@pytest.fixture
-def interpreted(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    pytest.importorskip("triton")
-    if DEVICE == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    yield
 
 
 def _inputs(G: int) -> dict[str, torch.Tensor]:
