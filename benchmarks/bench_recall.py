@@ -49,7 +49,7 @@ from torch import nn
 
 from hla_sp.nn import HLAttention
 from hla_sp.nn.conv import ShortConv
-from hla_sp.ops import table as compositions
+from hla_sp.ops import stages as compositions
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 256

@@ -8,7 +8,7 @@ backward ``fwd_h`` again (states recomputed, fp32), ``bwd_dh`` (the reverse pass
 ``bwd_dv`` and ``bwd_dqk`` (dq, dk and the decay's gradient). hla2 is two passes of
 the primitive: S = states(k, k), k~ = the read-out of S by q (the first pass's
 ``fwd_o``, stored in bf16), H = states(k~, v), o = output(q, k~, v, H); its backward is
-the primitive's backward twice.
+the primitive's backward twice, and autograd's sum of the two dq and decay gradients.
 
 Counts, per head, bf16 operands (E = 2 bytes), fp32 decays, chunk BT = 64, N = T / BT:
 - FLOPs: 2 per multiply-add of every dot the kernel issues, score tiles recomputed per
@@ -125,8 +125,13 @@ def primitive(B: int, T: int, H: int, K: int, V: int, gpu: str, bwd: bool) -> li
 
 
 def hla2(B: int, T: int, H: int, K: int, gpu: str, bwd: bool) -> list[Kernel]:
-    """Two passes of the primitive (values k, then values v), forward or backward."""
-    return primitive(B, T, H, K, K, gpu, bwd) + primitive(B, T, H, K, K, gpu, bwd)
+    """Two passes of the primitive (values k, then values v), forward or backward; the
+    backward adds autograd's sums of the two passes' dq (bf16) and decay gradient (fp32),
+    q and the decay being inputs of both: read two, write one, elementwise."""
+    ks = primitive(B, T, H, K, K, gpu, bwd) + primitive(B, T, H, K, K, gpu, bwd)
+    if bwd:
+        ks.append(Kernel("dq, dg sums", 0, 0.0, B * H * 3 * T * (K * E + F), B * H * T // BT))
+    return ks
 
 
 def total_ms(ks: list[Kernel], gpu: str, occupancy: bool = True) -> float:

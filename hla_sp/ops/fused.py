@@ -32,13 +32,8 @@ from hla_sp.ops.isolation import (
     poisoned_prefix,
 )
 from hla_sp.ops.primitive import DEFAULT_CHUNK_SIZE
-from hla_sp.ops.table import (
-    DEFAULT_EPS,
-    HLA2State,
-    split_denominator,
-    state_fields,
-    with_denominator,
-)
+from hla_sp.ops.stages import HLA2State, split_denominator, with_denominator
+from hla_sp.ops.table import DEFAULT_EPS, state_fields
 
 Tensor = torch.Tensor
 

@@ -13,13 +13,14 @@ import torch
 
 from hla_sp.config import BUILTIN_OPERATORS
 from hla_sp.ops import reference as R
-from hla_sp.ops import table as C
+from hla_sp.ops import stages as C
 from hla_sp.ops.linear_attention import linear_attention
 from hla_sp.ops.primitive import DEFAULT_CHUNK_SIZE
 from hla_sp.ops.runner import run_operator
 from hla_sp.ops.sharding import BatchPlan
 from hla_sp.ops.sp_protocol import SequenceParallelism
 from hla_sp.ops.table import (
+    DEFAULT_EPS,
     OPTIONS,
     TABLE,
     Field,
@@ -45,7 +46,7 @@ def hla2(
     *,
     log_decay: torch.Tensor | None = None,
     normalize: bool = False,
-    eps: float = C.DEFAULT_EPS,
+    eps: float = DEFAULT_EPS,
     ridge: float = 0.0,
     scale: float | None = None,
     initial_state: C.HLA2State | tuple | None = None,
@@ -180,23 +181,21 @@ _Q_H = Field("H", "q", ("K", "V"))
 _builtin(OperatorSpec(
     "hla2", C.HLA2State, (_KV_S, _Q_H, Field("eta", "q", ("K",), when="normalize")),
     C.hla2_stages, public=hla2, reference=R.recurrent_hla2,
-    key_mix=True, options=("normalize", "eps", "ridge"),
-    scale_in_kernels=lambda options: not options["ridge"]))
+    key_mix=True, options=("normalize", "eps", "ridge"), scale_in_kernels=True))
 _builtin(OperatorSpec(
     "ahla", C.AHLAState, (_KV_C, _Q_H), C.ahla_stages,
-    public=ahla, reference=R.recurrent_ahla, value_mix=True,
-    scale_in_kernels=lambda options: True))
+    public=ahla, reference=R.recurrent_ahla, value_mix=True, scale_in_kernels=True))
 _builtin(OperatorSpec(
     "hla3", C.HLA3State, (_KV_S, _KV_C, _Q_H), C.hla3_stages,
     public=hla3, reference=R.recurrent_hla3, key_mix=True, value_mix=True,
-    scale_in_kernels=lambda options: True))
+    scale_in_kernels=True))
 _builtin(OperatorSpec(
     "ccq", C.CCQState, (_KV_S, Field("h", "kv", ("K", "V"))), C.ccq_stages,
-    public=ccq, reference=R.recurrent_ccq, key_mix=True))
+    public=ccq, reference=R.recurrent_ccq, key_mix=True, scale_in_kernels=True))
 _builtin(OperatorSpec(
     "linear", C.LinearState, (Field("h", "kv", ("K", "V")),), C.linear_stages,
     public=linear_attention, reference=R.recurrent_linear_attention, higher_order=False,
-    precision=False, bare_state=True, scale_in_kernels=lambda options: True))
+    precision=False, bare_state=True, scale_in_kernels=True))
 if {n: s.facts() for n, s in TABLE.items()} != BUILTIN_OPERATORS:
     raise RuntimeError(
         "hla_sp.config.BUILTIN_OPERATORS differs from the operator table: "

@@ -32,7 +32,7 @@ from hla_sp.ops.dispatch import resolve, stage_dtype
 from hla_sp.ops.primitive import DEFAULT_CHUNK_SIZE, primitive
 from hla_sp.ops.sharding import BatchPlan
 from hla_sp.ops.sp_protocol import SequenceParallelism
-from hla_sp.ops.table import StageContext
+from hla_sp.ops.stages import StageContext
 
 __all__ = ["run_operator"]
 
@@ -73,29 +73,35 @@ class _Stages:
         self.gq = None if g is None or G == 1 else g.repeat_interleave(G, dim=-1)
         self.shared_plan = plan if G == 1 else None
 
-    def _primitive(self, q, k, v, g, h0, cu, plan):
+    def _primitive(self, q, k, v, g, h0, cu, plan, scale):
         return primitive(q, k, v, g, docs=cu, h0=h0, want_final=self.want_final,
-                         chunk_size=self.chunk_size, sp=self.sp, call=plan, scale=self.scale)
+                         chunk_size=self.chunk_size, sp=self.sp, call=plan, scale=scale)
 
     def per_head(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 h0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """q, k [B, T, Hq, K], v [B, T, Hq, V]: the primitive per query head."""
+                 h0: torch.Tensor | None, /, *,
+                 scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q, k [B, T, Hq, K], v [B, T, Hq, V]: the primitive per query head, q times
+        ``scale`` (the call's if None) in the kernels."""
         g = self.g if self.G == 1 else self.gq
-        return self._primitive(q, k, v, g, h0, self.cu, self.plan)
+        return self._primitive(q, k, v, g, h0, self.cu, self.plan,
+                               self.scale if scale is None else scale)
 
     def shared(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               h0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+               h0: torch.Tensor | None, /, *,
+               scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """q [B, T, Hq, K], k [B, T, Hkv, K], v [B, T, Hkv, V], h0 [N, Hkv, K, V] ->
-        (o [B, T, Hq, V] with o[:, t, h] = q[:, t, h]^T h_t[h // G], final [N, Hkv, K, V])."""
+        (o [B, T, Hq, V] with o[:, t, h] = scale q[:, t, h]^T h_t[h // G],
+        final [N, Hkv, K, V]); ``scale`` the call's if None."""
         G = self.G
+        scale = self.scale if scale is None else scale
         if G == 1:
-            return self._primitive(q, k, v, self.g, h0, self.cu, self.plan)
+            return self._primitive(q, k, v, self.g, h0, self.cu, self.plan, scale)
         if self.sp is None:
             # Multi-query: a chunk holds chunk_size query rows (chunk_size / G tokens of G
             # queries each), as a chunk of the sub-tokens below does; chunk_size tokens
             # would make the in-chunk block G times larger and cost more than it saves.
             return primitive(q, k, v, self.g, docs=self.cu, h0=h0, want_final=self.want_final,
-                             chunk_size=max(1, self.chunk_size // G), scale=self.scale)
+                             chunk_size=max(1, self.chunk_size // G), scale=scale)
         B, T, Hq, K = q.shape
         Hkv = k.shape[2]
         # [B, T, Hkv, G, K] -> [B, T, G, Hkv, K] -> [B, T*G, Hkv, K]: sub-token j reads head j.
@@ -109,7 +115,7 @@ class _Stages:
             xi = validate.check_inputs(qi, ki, vi, log_decay=gi, scale=1.0, cu_seqlens=None,
                                        plan=cu, sp=self.sp, chunk_size=self.chunk_size)
             self.shared_plan = self.sp.check_call(xi, op=f"gqa-shared-stage/{G}", options={})
-        o, final = self._primitive(qi, ki, vi, gi, h0, cu, self.shared_plan)
+        o, final = self._primitive(qi, ki, vi, gi, h0, cu, self.shared_plan, scale)
         V = v.shape[-1]
         return o.view(B, T, G, Hkv, V).transpose(2, 3).reshape(B, T, Hq, V), final
 
@@ -174,7 +180,7 @@ def run_operator(
             operator whose public function takes its one field bare (``linear``), that
             tensor is accepted too.
         key_mix, value_mix: [Hq] weights of the first-order path (see
-            :class:`hla_sp.ops.table.StageContext`), or None for the pure
+            :class:`hla_sp.ops.stages.StageContext`), or None for the pure
             operator; an operator without that mix ignores it.
         mix_norm: unit-normalise the mixed-in k~ and u per token (``StageContext``).
         precision: "auto" | "exact" | "fast" (:mod:`hla_sp.ops.dispatch`).
@@ -248,8 +254,9 @@ def execute(
             agree["precision"] = precision
         agreed = sp.check_call(x, op=spec.name if G == 1 else f"{spec.name}/gqa{G}",
                                options=agree)
-    # The scale rides into the kernels where the stages read q only as a query.
-    inside = spec.scale_in_kernels(opts)
+    # The scale rides into the kernels where the operator's stages allow it. Under
+    # sequence parallelism every stage would scale q before its exchange: once here.
+    inside = spec.scale_in_kernels and sp is None
     stages = _Stages(G, x.g, docs=x.plan, want_final=output_final_state,
                      chunk_size=x.chunk_size, sp=sp, plan=agreed,
                      scale=x.scale if inside else 1.0)
@@ -258,7 +265,8 @@ def execute(
     ctx = StageContext(stages.shared, stages.per_head,
                        expand=(lambda t: t) if G == 1 else
                        (lambda t: t.repeat_interleave(G, dim=2)),
-                       key_mix=key_mix, value_mix=value_mix, mix_norm=mix_norm, options=opts)
+                       key_mix=key_mix, value_mix=value_mix, mix_norm=mix_norm, options=opts,
+                       scale=x.scale if inside else 1.0)
     qs = q.to(cdt) if inside else q.to(cdt) * x.scale
     o, final = spec.stages(ctx, qs, k.to(cdt), v.to(cdt), s0)
     state = spec.state_type(*final) if output_final_state else None

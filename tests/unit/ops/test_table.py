@@ -18,7 +18,7 @@ import torch
 from hla_sp import config
 from hla_sp.ops import operators
 from hla_sp.ops.runner import run_operator
-from hla_sp.ops.table import StageContext
+from hla_sp.ops.stages import StageContext
 
 TOY = "toy_qqv"
 F64 = torch.float64
