@@ -12,7 +12,9 @@ H100/H200 (sm_90a) and A100 (sm_80) without a GPU.
    by a hash of the kernels' source, the triton version, the configuration and arch.
 3. **Gate.** :func:`failures` lists compile errors, shared memory over the arch's
    limit, kernels never launched, and spills over 1 KiB per thread in any
-   configuration (``hla_sp.kernels._tiles.SPILL_LIMIT``). The full capture (``make
+   configuration (``hla_sp.kernels._tiles.SPILL_LIMIT``). A tuning candidate for some
+   archs only (wider tiles that sm_80 spills, tuned on sm_90 alone) is compiled and
+   gated for those. The full capture (``make
    gpu-aot``) describes every tuning candidate of the primitive's kernels
    (``capture(every=True)``), so every configuration a GPU may choose is compiled; the
    test suite's share compiles the candidates the interpreter launches;
@@ -278,7 +280,9 @@ def _compile_one(job: dict[str, Any], arch: str, src_hash: str) -> dict[str, Any
 def compile_all(configs: list[dict[str, Any]], workers: int | None = None) -> list[dict]:
     """Every configuration for every arch, in parallel fresh processes; rows for the report."""
     src_hash = _source_hash()
-    jobs = [(c, arch) for c in configs for arch in ARCHS]
+    # a candidate tuned on some archs only (its job's "archs") is compiled for those
+    jobs = [(c, arch) for c in configs for arch in ARCHS
+            if "archs" not in c or ARCHS[arch] in c["archs"]]
     workers = workers or max(1, min(len(jobs), os.cpu_count() or 1))
     env_before = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "0"  # spawned workers import triton for the GPU

@@ -39,6 +39,9 @@ LAUNCHES: Counter[str] = Counter()
 # While a list (inside :func:`capture`): launches are described here and not run.
 _CAPTURE: list[dict[str, Any]] | None = None
 _CAPTURE_EVERY = False  # inside capture(every=True): every tuning candidate is described
+# Inside :func:`for_archs`: the compute capabilities (90 for sm_90) the described launches
+# are for; None: every one.
+_CAPTURE_ARCHS: tuple[int, ...] | None = None
 KERNELS: dict[str, LazyKernel] = {}  # every kernel defined, by name (filled by lazy_jit)
 
 
@@ -123,7 +126,10 @@ class LazyKernel:
         def run(*args: Any, **kwargs: Any) -> Any:
             LAUNCHES[self.__name__] += 1
             if _CAPTURE is not None:
-                _CAPTURE.append(self.describe(args, kwargs))
+                job = self.describe(args, kwargs)
+                if _CAPTURE_ARCHS:
+                    job["archs"] = list(_CAPTURE_ARCHS)
+                _CAPTURE.append(job)
                 return None
             if not interpreting():
                 return launch(*args, **kwargs)
@@ -211,6 +217,19 @@ def capture(every: bool = False) -> Iterator[list[dict[str, Any]]]:
 def capturing_every() -> bool | None:
     """None outside :func:`capture`; inside, its ``every``."""
     return None if _CAPTURE is None else _CAPTURE_EVERY
+
+
+@contextmanager
+def for_archs(archs: tuple[int, ...]) -> Iterator[None]:
+    """Launches described inside are for these compute capabilities only (a tuning
+    candidate that only they launch): their jobs carry ``"archs"``, and the
+    ahead-of-time gate compiles them for those alone. () means every arch."""
+    global _CAPTURE_ARCHS
+    before, _CAPTURE_ARCHS = _CAPTURE_ARCHS, (tuple(archs) or None)
+    try:
+        yield
+    finally:
+        _CAPTURE_ARCHS = before
 
 
 def lazy_jit(fn: Callable[..., None]) -> LazyKernel:

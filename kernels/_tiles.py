@@ -123,39 +123,56 @@ def _kind(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class Config:
-    """One launch configuration: K and V tile caps, warps, pipeline stages."""
+    """One launch configuration: K and V tile caps, warps, pipeline stages; ``archs``
+    the compute capabilities (90: sm_90) it is a candidate on, () every one."""
 
     BK: int
     BV: int
     num_warps: int
     num_stages: int
+    archs: tuple[int, ...] = ()
 
 
+SM90 = (90,)  # Hopper: wgmma keeps its accumulators out of the general registers
 # role -> input class -> candidates, the first the default (the interpreter's). Roles:
 # "state" the state passes (grid NK x NV x B H, a loop over the chunks), "out" the
 # output and dv kernels (grid N x NV x B H, a loop over K blocks), "dqk" the dq/dk/dg
 # kernel (grid N x NK x B H, a loop over V blocks; it holds the most tiles). Each
-# passed the gate (<= 1 KiB of spill per thread on sm_90a and sm_80, chunk 64, K = V =
-# 128, every flag); measured and dropped: out at 128 x 64 (bf16: 10 KB on sm_80) and
-# 64 x 64 with 4 warps (bf16: 1.2-1.7 KB on sm_80), dq/dk at 64 x 64 (4.5-14 KB on
-# sm_80) and 32 x 64 with 4 warps (2 KB), and IEEE fp32 at 64-token chunks (5 KB).
+# passed the gate (<= 1 KiB of spill per thread, chunk 64, K = V = 128, every flag) on
+# sm_90a and sm_80, or on sm_90a alone for those marked SM90, which sm_80 spills
+# (bf16: out at 128 x 64 10 KB, dq/dk at 64 x 64 4.8 KB and 32 x 128 13 KB).
+# Smaller tiles give a state pass more programs (B H NK NV) where B H is small; wider
+# ones hold a chunk's [BT, BT] score tile for more of K or V (recomputed once per
+# block). Measured and dropped: out at 64 x 64 with 4 warps (bf16: 1.1-2 KB on sm_80),
+# dq/dk at 32 x 64 and 32 x 32 with 4 warps (1.1-2.2 KB on sm_80), state at 128 x 128
+# (2 KB on sm_80; one program per head), and IEEE fp32 at 64-token chunks (5 KB).
 CANDIDATES: dict[str, dict[str, list[Config]]] = {
-    "state": {"mma": [Config(64, 64, 4, 2), Config(128, 64, 8, 2)],
+    "state": {"mma": [Config(64, 64, 4, 2), Config(128, 64, 8, 2), Config(64, 64, 8, 2),
+                      Config(32, 64, 4, 2)],
               "fma": [Config(32, 32, 4, 2)]},
-    "out": {"mma": [Config(64, 64, 8, 2)],
+    "out": {"mma": [Config(64, 64, 8, 2), Config(64, 128, 8, 2), Config(32, 64, 4, 2),
+                    Config(128, 64, 8, 2, SM90)],
             "fma": [Config(32, 32, 8, 2), Config(32, 32, 4, 2)]},
-    "dqk": {"mma": [Config(32, 64, 8, 2)],
+    "dqk": {"mma": [Config(32, 64, 8, 2), Config(64, 64, 8, 2, SM90),
+                    Config(32, 128, 8, 2, SM90)],
             "fma": [Config(16, 32, 8, 2), Config(16, 32, 4, 2)]},
 }
 
 
-def candidates(role: str, dtype: torch.dtype, K: int, V: int) -> list[Config]:
+def candidates(role: str, dtype: torch.dtype, K: int, V: int,
+               arch: int | None = None) -> list[Config]:
     """The distinct configurations of ``role`` for inputs of ``dtype`` at K and V, the
-    tiles resolved (:func:`tile_width`)."""
+    tiles resolved (:func:`tile_width`): those for every arch and, on compute capability
+    ``arch`` (90: sm_90), its own; with ``arch`` None all of them (the gate's)."""
     out: list[Config] = []
     for c in CANDIDATES[role][_kind(dtype)]:
-        r = Config(tile_width(K, c.BK), tile_width(V, c.BV), c.num_warps, c.num_stages)
-        if r not in out:
+        if arch is not None and c.archs and arch not in c.archs:
+            continue
+        r = Config(tile_width(K, c.BK), tile_width(V, c.BV), c.num_warps, c.num_stages,
+                   c.archs)
+        # one of every launch shape, the most general kept (listed first)
+        if all((r.BK, r.BV, r.num_warps, r.num_stages)
+               != (o.BK, o.BV, o.num_warps, o.num_stages) for o in out):
             out.append(r)
     return out
 
@@ -167,18 +184,36 @@ def tuned(role: str, key: tuple[Any, ...], dtype: torch.dtype, K: int, V: int,
           launch: Callable[[Config], Any]) -> Any:
     """``launch(config)`` with the configuration of ``role`` chosen for ``key``; what the
     chosen launch returns (its outputs)."""
-    cands = candidates(role, dtype, K, V)
     every = _jit.capturing_every()
     if every is not None:  # described, not run: the gate wants every candidate
+        cands = candidates(role, dtype, K, V)
         for c in cands[1:] if every else []:
-            launch(c)
+            with _jit.for_archs(c.archs):
+                launch(c)
         return launch(cands[0])
-    if _jit.interpreting() or len(cands) == 1:
+    if _jit.interpreting():
+        return launch(candidates(role, dtype, K, V)[0])
+    arch = _device_arch()
+    cands = candidates(role, dtype, K, V, arch)
+    if len(cands) == 1:
         return launch(cands[0])
-    full = (role, dtype, K, V, *key)
+    full = (role, dtype, K, V, arch, *key)
     if full not in _CHOSEN:
         _CHOSEN[full] = min(cands, key=lambda c: _time(lambda: launch(c)))
     return launch(_CHOSEN[full])
+
+
+def _device_arch() -> int:
+    """The current CUDA device's compute capability as 10 major + minor (90: sm_90),
+    read on a GPU launch only (imports query no driver)."""
+    index = torch.cuda.current_device()
+    if index not in _ARCH:
+        major, minor = torch.cuda.get_device_capability(index)
+        _ARCH[index] = 10 * major + minor
+    return _ARCH[index]
+
+
+_ARCH: dict[int, int] = {}
 
 
 def _time(run: Callable[[], Any], reps: int = 3) -> float:

@@ -33,13 +33,13 @@ def triton_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HLA_SP_BACKEND", "triton")
 
 
-def _step(dtype: torch.dtype, docs: bool, every: bool = False, op: str = "linear_attention"
-          ) -> list[str]:
-    """The kernels one forward and backward launches, in order."""
+def _jobs(dtype: torch.dtype, docs: bool, every: bool = False, op: str = "linear_attention",
+          D: int = 32) -> list[dict]:
+    """The launches one forward and backward describes, in order."""
     from hla_sp.kernels import _jit
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    T, H, D = 40, 2, 32
+    T, H = 40, 2
 
     def leaf(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=device).to(dtype).requires_grad_()
@@ -53,7 +53,13 @@ def _step(dtype: torch.dtype, docs: bool, every: bool = False, op: str = "linear
     with _jit.capture(every=every) as launched:
         o, _ = getattr(hla_sp, op)(q, k, v, **kw)
         o.float().sum().backward()
-    return [job["kernel"] for job in launched]
+    return launched
+
+
+def _step(dtype: torch.dtype, docs: bool, every: bool = False, op: str = "linear_attention"
+          ) -> list[str]:
+    """The kernels one forward and backward launches, in order."""
+    return [job["kernel"] for job in _jobs(dtype, docs, every, op)]
 
 
 @pytest.mark.parametrize("docs", [False, True], ids=["plain", "docs-states"])
@@ -83,6 +89,26 @@ def test_capture_every_candidate(triton_path: None) -> None:
                for name in STEP)
     assert len(every) == want > len(STEP)
     assert set(every) == set(STEP)
+
+
+def test_sm90_candidates_only_there(triton_path: None) -> None:
+    """Candidates that spill over the limit on sm_80 (wider tiles) are tuned on sm_90
+    only: a GPU of another capability never times them, and the gate's capture tags
+    their launches so that it compiles them for sm_90a alone."""
+    from hla_sp.kernels._tiles import SM90, candidates
+
+    for role in ("out", "dqk"):
+        mine = [c for c in candidates(role, torch.bfloat16, 128, 128) if c.archs]
+        assert mine and all(c.archs == SM90 for c in mine)
+        assert not any(c.archs for c in candidates(role, torch.bfloat16, 128, 128, arch=80))
+        assert set(mine) <= set(candidates(role, torch.bfloat16, 128, 128, arch=90))
+    jobs = _jobs(torch.bfloat16, docs=False, every=True, D=128)
+    tagged = {(j["kernel"], j["constexprs"]["BK"], j["constexprs"]["BV"]) for j in jobs
+              if j.get("archs") == [90]}
+    assert tagged == {("chunk_fwd_o_kernel", 128, 64), ("chunk_bwd_dv_kernel", 128, 64),
+                      ("chunk_bwd_dqk_kernel", 64, 64), ("chunk_bwd_dqk_kernel", 32, 128)}
+    # the default launches (capture without every) carry no tag
+    assert not any("archs" in j for j in _jobs(torch.bfloat16, docs=False, D=128))
 
 
 # PyTorch operators that launch no kernel: views, allocations, metadata, and the host
