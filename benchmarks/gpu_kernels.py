@@ -180,6 +180,14 @@ def main() -> int:
     result["launch_target"] = dict(method="la", bound=LAUNCH_BOUND, launches=n,
                                    ok=None if n is None else n <= LAUNCH_BOUND)
     result["table"] = table(result, s.label)
+    # the tiles each of our kernels settled on (timed at its first call for a shape)
+    from hla_sp.kernels._tiles import chosen
+
+    result["tuned"] = chosen()
+    for row in result["tuned"]:
+        print(f"[tuned] {row['role']:5s} {row['dtype']} K {row['K']} V {row['V']} "
+              f"sm_{row['arch']}: {row['BK']} x {row['BV']}, {row['num_warps']} warps "
+              f"({row['key']})")
     for r in result["table"]:
         print(f"[role] {r['role']:8s} ours {r['ours_ms']} ms ({r['ours_calls']}x) "
               f"fla {r['fla_ms']} ms ({r['fla_calls']}x)")

@@ -174,6 +174,11 @@ def markdown(s: dict[str, Any]) -> str:
             md.append(f"| {r['role']} | {fmt(r['ours_ms'])} ({fmt(r['ours_calls'])}) | "
                       f"{fmt(r['fla_ms'])} ({fmt(r['fla_calls'])}) | {fmt(r['ratio'], 2)} | "
                       f"{fmt(e / 1e3 if e else None)} | {names[:160]} |")
+    tuned = (s.get("kernels") or {}).get("tuned") or []
+    if tuned:
+        md += ["", "Tiles the tuner chose (BK x BV, warps): " + "; ".join(
+            f"{r['role']} {r['dtype']} K {r['K']} V {r['V']} ({r['key']}): {r['BK']} x "
+            f"{r['BV']}, {r['num_warps']}" for r in tuned)]
     mg = (s.get("megatron") or {}).get("runs") or {}
     if mg:
         md += ["", "Megatron-LM loop (8 layers, width 1024, 8 heads over 4 kv groups, bf16):",

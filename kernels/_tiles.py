@@ -140,12 +140,13 @@ SM90 = (90,)  # Hopper: wgmma keeps its accumulators out of the general register
 # kernel (grid N x NK x B H, a loop over V blocks; it holds the most tiles). Each
 # passed the gate (<= 1 KiB of spill per thread, chunk 64, K = V = 128, every flag) on
 # sm_90a and sm_80, or on sm_90a alone for those marked SM90, which sm_80 spills
-# (bf16: out at 128 x 64 10 KB, dq/dk at 64 x 64 4.8 KB and 32 x 128 13 KB).
+# (bf16: out at 128 x 64 10 KB, dq/dk at 64 x 64 4.8 KB).
 # Smaller tiles give a state pass more programs (B H NK NV) where B H is small; wider
 # ones hold a chunk's [BT, BT] score tile for more of K or V (recomputed once per
 # block). Measured and dropped: out at 64 x 64 with 4 warps (bf16: 1.1-2 KB on sm_80),
-# dq/dk at 32 x 64 and 32 x 32 with 4 warps (1.1-2.2 KB on sm_80), state at 128 x 128
-# (2 KB on sm_80; one program per head), and IEEE fp32 at 64-token chunks (5 KB).
+# dq/dk at 32 x 64 and 32 x 32 with 4 warps (1.1-2.2 KB on sm_80) and at 32 x 128
+# (TF32: 1.2 KB on sm_90a, bf16 13 KB on sm_80), state at 128 x 128 (2 KB on sm_80;
+# one program per head), and IEEE fp32 at 64-token chunks (5 KB).
 CANDIDATES: dict[str, dict[str, list[Config]]] = {
     "state": {"mma": [Config(64, 64, 4, 2), Config(128, 64, 8, 2), Config(64, 64, 8, 2),
                       Config(32, 64, 4, 2)],
@@ -153,8 +154,7 @@ CANDIDATES: dict[str, dict[str, list[Config]]] = {
     "out": {"mma": [Config(64, 64, 8, 2), Config(64, 128, 8, 2), Config(32, 64, 4, 2),
                     Config(128, 64, 8, 2, SM90)],
             "fma": [Config(32, 32, 8, 2), Config(32, 32, 4, 2)]},
-    "dqk": {"mma": [Config(32, 64, 8, 2), Config(64, 64, 8, 2, SM90),
-                    Config(32, 128, 8, 2, SM90)],
+    "dqk": {"mma": [Config(32, 64, 8, 2), Config(64, 64, 8, 2, SM90)],
             "fma": [Config(16, 32, 8, 2), Config(16, 32, 4, 2)]},
 }
 
@@ -201,6 +201,18 @@ def tuned(role: str, key: tuple[Any, ...], dtype: torch.dtype, K: int, V: int,
     if full not in _CHOSEN:
         _CHOSEN[full] = min(cands, key=lambda c: _time(lambda: launch(c)))
     return launch(_CHOSEN[full])
+
+
+def chosen() -> list[dict[str, Any]]:
+    """What the tuner chose so far in this process, one row per key: the role, the
+    dtype, K, V, the arch, the rest of the key as text, and the winning configuration
+    (for a benchmark's record of which tiles won)."""
+    rows = []
+    for (role, dtype, K, V, arch, *key), c in _CHOSEN.items():
+        rows.append(dict(role=role, dtype=str(dtype).removeprefix("torch."), K=K, V=V,
+                         arch=arch, key=" ".join(map(str, key)), BK=c.BK, BV=c.BV,
+                         num_warps=c.num_warps, num_stages=c.num_stages))
+    return rows
 
 
 def _device_arch() -> int:

@@ -106,7 +106,7 @@ def test_sm90_candidates_only_there(triton_path: None) -> None:
     tagged = {(j["kernel"], j["constexprs"]["BK"], j["constexprs"]["BV"]) for j in jobs
               if j.get("archs") == [90]}
     assert tagged == {("chunk_fwd_o_kernel", 128, 64), ("chunk_bwd_dv_kernel", 128, 64),
-                      ("chunk_bwd_dqk_kernel", 64, 64), ("chunk_bwd_dqk_kernel", 32, 128)}
+                      ("chunk_bwd_dqk_kernel", 64, 64)}
     # the default launches (capture without every) carry no tag
     assert not any("archs" in j for j in _jobs(torch.bfloat16, docs=False, D=128))
 
@@ -167,3 +167,19 @@ def test_at_most_fifteen_launches_per_step(triton_path: None, decay: bool) -> No
     flag_work = {"aten::amax", "aten::amin", "aten::cumsum", "aten::cummax", "aten::_cummax_helper",
                  "aten::nan_to_num", "aten::abs", "aten::masked_fill_", "aten::where"}
     assert not flag_work & set(names), names
+
+
+def test_chosen_lists_the_tuners_choices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a GPU run records of the tuner's choice: one JSON-ready row per key."""
+    import json
+
+    from hla_sp.kernels import _tiles
+
+    monkeypatch.setattr(_tiles, "_CHOSEN", {})
+    key = ("dqk", torch.bfloat16, 128, 128, 90, torch.bfloat16, None, ("BT", 64))
+    _tiles._CHOSEN[key] = _tiles.Config(64, 64, 8, 2, _tiles.SM90)
+    rows = _tiles.chosen()
+    assert rows == [dict(role="dqk", dtype="bfloat16", K=128, V=128, arch=90,
+                         key="torch.bfloat16 None ('BT', 64)", BK=64, BV=64, num_warps=8,
+                         num_stages=2)]
+    json.dumps(rows)
