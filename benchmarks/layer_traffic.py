@@ -43,6 +43,9 @@ NO_TRAFFIC = frozenset((
     "chunk_linear_attention_bwd",
 ))
 
+FACTORIES = frozenset(("new_zeros", "new_ones", "new_full", "zeros_like", "ones_like",
+                       "full_like", "fill_", "zero_"))
+
 
 def record(T: int = T_RECORD, hidden: int = HIDDEN, heads: int = HEADS) -> dict[str, Any]:
     """Bytes per token of one layer's forward and backward PyTorch operations:
@@ -67,7 +70,9 @@ def record(T: int = T_RECORD, hidden: int = HIDDEN, heads: int = HEADS) -> dict[
             name = func.__name__.split(".")[0]
             if name in NO_TRAFFIC:
                 return out
-            seen = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+            # a factory reads its argument's metadata only: its output is its traffic
+            seen = [] if name in FACTORIES else \
+                [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
             res = out if isinstance(out, (tuple, list)) else [out]
             seen += [r for r in res if isinstance(r, torch.Tensor)
                      and not any(r is a for a in seen)]

@@ -15,8 +15,10 @@ with a [T, W] index table built once per call from global positions: a tap reads
 the local token if this rank holds it, the halo (:mod:`hla_sp.parallel.halo`) if
 another rank does, the carried state if it lies before the document's start, else zero.
 The states sit just before the tokens so that, for one sequence per row (no documents,
-one process), every tap is a contiguous slice of the buffer: a view, where a gather
-and its scatter-add backward cost most of a small layer's step on CPU.
+one process), every tap is a contiguous slice of the buffer and the taps together are
+the depthwise convolution of its first T + W - 1 rows: one ``conv1d`` each way, where
+a gather and its scatter-add backward cost most of a small layer's step on CPU, and W
+multiply-adds and their autograd moved 4x the bytes.
 The final conv state of each document (its last W-1 inputs) is assembled the same way
 and, under sequence parallelism, summed over ranks (each rank adds the positions it
 holds; rank 0 adds those carried in).
@@ -219,16 +221,19 @@ class ShortConv(nn.Module):
         halo_rows = parts[-1].shape[1] if plan is not None else 0
         parts.append(x.new_zeros(B, 1, C))
         buf = torch.cat(parts, dim=1)
+        weight = self.weight.to(x.dtype)
         if plan is None and bounds is None:
             # One sequence per row: tap d of token t is buffer row (W-1) + t - d (the
-            # row's W-1 carried inputs sit just before its tokens), a slice.
-            taps = [buf.narrow(1, W - 1 - d, T) for d in range(W)]
+            # row's W-1 carried inputs sit just before its tokens), so the taps are the
+            # depthwise convolution of the buffer's first T + W - 1 rows: one kernel
+            # each way (cuDNN, oneDNN) where W multiply-adds and their autograd moved
+            # 4x the bytes (benchmarks/layer_traffic.py).
+            acc = F.conv1d(buf[:, : T + W - 1].transpose(1, 2), weight.flip(1).unsqueeze(1),
+                           groups=C).transpose(1, 2)
         else:
-            taps = self._tables(buf, lay, W, T, halo_rows)
-        weight = self.weight.to(x.dtype)
-        acc = None
-        for tap, w in zip(taps, weight.unbind(1)):
-            acc = tap * w if acc is None else torch.addcmul(acc, tap, w)
+            acc = None
+            for tap, w in zip(self._tables(buf, lay, W, T, halo_rows), weight.unbind(1)):
+                acc = tap * w if acc is None else torch.addcmul(acc, tap, w)
         y = F.silu(acc)
         final = None
         if want_final:
