@@ -16,7 +16,8 @@ the local token if this rank holds it, the halo (:mod:`hla_sp.parallel.halo`) if
 another rank does, the carried state if it lies before the document's start, else zero.
 The states sit just before the tokens so that, for one sequence per row (no documents,
 one process), every tap is a contiguous slice of the buffer and the taps together are
-the depthwise convolution of its first T + W - 1 rows: one ``conv1d`` each way, where
+the depthwise convolution of the buffer (without its zero row, which only documents
+and ranks read): one ``conv1d`` each way, where
 a gather and its scatter-add backward cost most of a small layer's step on CPU, and W
 multiply-adds and their autograd moved 4x the bytes.
 The final conv state of each document (its last W-1 inputs) is assembled the same way
@@ -219,16 +220,18 @@ class ShortConv(nn.Module):
             # [P, slots, B, W-1, C] -> [B, P * slots * (W-1), C], flattened as tail_index.
             parts.append(gathered.permute(2, 0, 1, 3, 4).reshape(B, -1, C))
         halo_rows = parts[-1].shape[1] if plan is not None else 0
-        parts.append(x.new_zeros(B, 1, C))
+        one_per_row = plan is None and bounds is None
+        if not one_per_row:  # what a tap before a document without a state reads
+            parts.append(x.new_zeros(B, 1, C))
         buf = torch.cat(parts, dim=1)
         weight = self.weight.to(x.dtype)
-        if plan is None and bounds is None:
+        if one_per_row:
             # One sequence per row: tap d of token t is buffer row (W-1) + t - d (the
             # row's W-1 carried inputs sit just before its tokens), so the taps are the
-            # depthwise convolution of the buffer's first T + W - 1 rows: one kernel
-            # each way (cuDNN, oneDNN) where W multiply-adds and their autograd moved
-            # 4x the bytes (benchmarks/layer_traffic.py).
-            acc = F.conv1d(buf[:, : T + W - 1].transpose(1, 2), weight.flip(1).unsqueeze(1),
+            # depthwise convolution of the buffer's T + W - 1 rows: one kernel each way
+            # (cuDNN, oneDNN) where W multiply-adds and their autograd moved 4x the
+            # bytes (benchmarks/layer_traffic.py).
+            acc = F.conv1d(buf.transpose(1, 2), weight.flip(1).unsqueeze(1),
                            groups=C).transpose(1, 2)
         else:
             acc = None

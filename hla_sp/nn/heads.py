@@ -365,7 +365,10 @@ class HLAHeads(nn.Module):
         xs = torch.cat([q.reshape(B, T, nq), k.reshape(B, T, nk), v.reshape(B, T, nv)], -1)
         y, final = self.conv(xs, bounds=bounds, state=conv_state, want_final=want_final,
                              plan=call)
-        q = y[..., :nq].reshape(B, T, Hq, K)
-        k = y[..., nq : nq + nk].reshape(B, T, Hkv, K)
-        v = y[..., nq + nk :].reshape(B, T, Hkv, v.shape[-1])
+        # split, not three slices: its gradient is one cat, where each slice's is a
+        # zeroed buffer of the whole width and the three are then added
+        yq, yk, yv = y.split([nq, nk, nv], dim=-1)
+        q = yq.reshape(B, T, Hq, K)
+        k = yk.reshape(B, T, Hkv, K)
+        v = yv.reshape(B, T, Hkv, v.shape[-1])
         return q, k, v, final
