@@ -183,3 +183,32 @@ def test_chosen_lists_the_tuners_choices(monkeypatch: pytest.MonkeyPatch) -> Non
                          key="torch.bfloat16 None ('BT', 64)", BK=64, BV=64, num_warps=8,
                          num_stages=2)]
     json.dumps(rows)
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_tuner_times_the_archs_candidates_and_keeps_the_fastest(
+        monkeypatch: pytest.MonkeyPatch, arch: int) -> None:
+    """The GPU path of ``tuned`` with a fake clock: it times every candidate of the
+    device's arch (an sm_90-only one never on sm_80), keeps the fastest, and launches
+    only that one from the second call on."""
+    from hla_sp.kernels import _jit, _tiles
+
+    monkeypatch.setattr(_tiles, "_CHOSEN", {})
+    monkeypatch.setattr(_jit, "interpreting", lambda: False)
+    monkeypatch.setattr(_tiles, "_device_arch", lambda: arch)
+    # the widest K tile is the fastest on this fake clock
+    monkeypatch.setattr(_tiles, "_time", lambda run: 1.0 / run())
+    launched: list[_tiles.Config] = []
+
+    def launch(c: _tiles.Config) -> int:
+        launched.append(c)
+        return c.BK * c.BV
+
+    for _ in range(2):
+        _tiles.tuned("out", ("key",), torch.bfloat16, 128, 128, launch)
+    cands = _tiles.candidates("out", torch.bfloat16, 128, 128, arch)
+    assert set(launched[:-2]) == set(cands) and len(launched) == len(cands) + 2
+    assert all(not c.archs or arch in c.archs for c in launched)
+    best = max(cands, key=lambda c: c.BK * c.BV)
+    assert launched[-2:] == [best, best]
+    assert any(c.archs for c in cands) == (arch == 90)
