@@ -50,8 +50,19 @@ FACTORIES = frozenset(("new_zeros", "new_ones", "new_full", "zeros_like", "ones_
 def record(T: int = T_RECORD, hidden: int = HIDDEN, heads: int = HEADS) -> dict[str, Any]:
     """Bytes per token of one layer's forward and backward PyTorch operations:
     {"forward": {"op @ file:line": bytes}, "backward": {...}, "ops": counts}."""
-    os.environ["TRITON_INTERPRET"] = "1"
-    os.environ["HLA_SP_BACKEND"] = "triton"
+    env = {n: os.environ.get(n) for n in ("TRITON_INTERPRET", "HLA_SP_BACKEND")}
+    os.environ.update(TRITON_INTERPRET="1", HLA_SP_BACKEND="triton")
+    try:
+        return _record(T, hidden, heads)
+    finally:  # the caller's settings (a test session's): nothing leaks into later calls
+        for n, val in env.items():
+            if val is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = val
+
+
+def _record(T: int, hidden: int, heads: int) -> dict[str, Any]:
     import torch
     from hla_sp.kernels import _jit
     from torch.utils._python_dispatch import TorchDispatchMode

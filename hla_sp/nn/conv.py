@@ -220,7 +220,8 @@ class ShortConv(nn.Module):
             # [P, slots, B, W-1, C] -> [B, P * slots * (W-1), C], flattened as tail_index.
             parts.append(gathered.permute(2, 0, 1, 3, 4).reshape(B, -1, C))
         halo_rows = parts[-1].shape[1] if plan is not None else 0
-        one_per_row = plan is None and bounds is None
+        # one sequence per row (and some tokens: conv1d wants W rows at least)
+        one_per_row = plan is None and bounds is None and T > 0
         if not one_per_row:  # what a tap before a document without a state reads
             parts.append(x.new_zeros(B, 1, C))
         buf = torch.cat(parts, dim=1)
@@ -230,14 +231,19 @@ class ShortConv(nn.Module):
             # row's W-1 carried inputs sit just before its tokens), so the taps are the
             # depthwise convolution of the buffer's T + W - 1 rows: one kernel each way
             # (cuDNN, oneDNN) where W multiply-adds and their autograd moved 4x the
-            # bytes (benchmarks/layer_traffic.py).
-            acc = F.conv1d(buf.transpose(1, 2), weight.flip(1).unsqueeze(1),
-                           groups=C).transpose(1, 2)
+            # bytes (benchmarks/layer_traffic.py). In x's dtype, as the taps: autocast
+            # would run conv1d in 16 bits. Made contiguous once here: q, k and v are
+            # read by every stage of the operator, whose kernels want them so.
+            dev = buf.device.type
+            with (torch.autocast(dev, enabled=False) if torch.amp.is_autocast_available(dev)
+                  else contextlib.nullcontext()):
+                z = F.conv1d(buf.transpose(1, 2), weight.flip(1).unsqueeze(1), groups=C)
+            y = F.silu(z).transpose(1, 2).contiguous()
         else:
             acc = None
             for tap, w in zip(self._tables(buf, lay, W, T, halo_rows), weight.unbind(1)):
                 acc = tap * w if acc is None else torch.addcmul(acc, tap, w)
-        y = F.silu(acc)
+            y = F.silu(acc)
         final = None
         if want_final:
             final = self._final(buf, lay, W, T, halo_rows, N, B)

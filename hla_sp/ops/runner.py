@@ -78,7 +78,7 @@ class _Stages:
                          chunk_size=self.chunk_size, sp=self.sp, call=plan, scale=scale)
 
     def per_head(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 h0: torch.Tensor | None, /, *,
+                 h0: torch.Tensor | None, *,
                  scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """q, k [B, T, Hq, K], v [B, T, Hq, V]: the primitive per query head, q times
         ``scale`` (the call's if None) in the kernels."""
@@ -87,7 +87,7 @@ class _Stages:
                                self.scale if scale is None else scale)
 
     def shared(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               h0: torch.Tensor | None, /, *,
+               h0: torch.Tensor | None, *,
                scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """q [B, T, Hq, K], k [B, T, Hkv, K], v [B, T, Hkv, V], h0 [N, Hkv, K, V] ->
         (o [B, T, Hq, V] with o[:, t, h] = scale q[:, t, h]^T h_t[h // G],

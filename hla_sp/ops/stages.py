@@ -97,7 +97,7 @@ class Stage(Protocol):
     (:attr:`StageContext.scale`)."""
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 h0: torch.Tensor | None, /, *,
+                 h0: torch.Tensor | None, *,
                  scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
 
@@ -156,6 +156,8 @@ class StageContext:
         """
         weight = self.key_mix
         if weight is not None and self.mix_norm and self.scale != 1.0:
+            if self.scale == 0.0:  # the stage zeroes the query, and u(0 q~) is 0 anyway
+                return qs
             higher, weight = higher * self.scale, weight / self.scale
         return _mix(higher, weight, lambda: qs, self.mix_norm)
 

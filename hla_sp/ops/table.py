@@ -139,6 +139,9 @@ def register(spec: OperatorSpec) -> None:
     unknown = [o for o in spec.options if o not in OPTIONS]
     if unknown:
         raise ValueError(f"spec.options: expected names among {tuple(OPTIONS)}, got {unknown}")
+    if not isinstance(spec.scale_in_kernels, bool):
+        raise TypeError(f"spec.scale_in_kernels: expected a bool, got "
+                        f"{type(spec.scale_in_kernels).__name__}")
     add_operator(spec.name, spec.facts())  # refuses a name already taken
     TABLE[spec.name] = spec
     from hla_sp.ops import self_check

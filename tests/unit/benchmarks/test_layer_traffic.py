@@ -10,8 +10,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 import layer_traffic as L
 
 
-def test_bytes_per_token_do_not_depend_on_T() -> None:
+def test_bytes_per_token_do_not_depend_on_T(monkeypatch) -> None:
+    monkeypatch.delenv("HLA_SP_BACKEND", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     small, large = (L.record(T, hidden=256, heads=2) for T in (64, 256))
+    # the interpreter and the Triton backend were the model's only: the caller's are back
+    import os
+
+    assert "HLA_SP_BACKEND" not in os.environ and os.environ["TRITON_INTERPRET"] == "0"
     for phase in ("forward", "backward"):
         a, b = sum(small[phase].values()), sum(large[phase].values())
         # what does not scale with T (weights, per-head parameters) is small against it

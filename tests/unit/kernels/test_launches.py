@@ -196,19 +196,22 @@ def test_tuner_times_the_archs_candidates_and_keeps_the_fastest(
     monkeypatch.setattr(_tiles, "_CHOSEN", {})
     monkeypatch.setattr(_jit, "interpreting", lambda: False)
     monkeypatch.setattr(_tiles, "_device_arch", lambda: arch)
-    # the widest K tile is the fastest on this fake clock
+    # the widest K tile is the fastest on this fake clock, then the widest V tile
     monkeypatch.setattr(_tiles, "_time", lambda run: 1.0 / run())
     launched: list[_tiles.Config] = []
 
     def launch(c: _tiles.Config) -> int:
         launched.append(c)
-        return c.BK * c.BV
+        return 1000 * c.BK + c.BV
 
     for _ in range(2):
         _tiles.tuned("out", ("key",), torch.bfloat16, 128, 128, launch)
     cands = _tiles.candidates("out", torch.bfloat16, 128, 128, arch)
     assert set(launched[:-2]) == set(cands) and len(launched) == len(cands) + 2
     assert all(not c.archs or arch in c.archs for c in launched)
-    best = max(cands, key=lambda c: c.BK * c.BV)
+    best = max(cands, key=lambda c: (c.BK, c.BV))
     assert launched[-2:] == [best, best]
     assert any(c.archs for c in cands) == (arch == 90)
+    # on sm_90 the sm_90-only 128 x 64 is the one this clock favours, and it is chosen
+    assert (best.BK, best.BV, best.archs) == ((128, 64, _tiles.SM90) if arch == 90
+                                              else (64, 128, ()))

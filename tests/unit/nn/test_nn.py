@@ -384,6 +384,40 @@ def test_short_conv_is_a_causal_depthwise_conv_per_document():
         conv(x, bounds=bounds, state=carried[:2])
 
 
+def test_short_conv_one_sequence_per_row_is_the_gathered_taps():
+    """Without documents the convolution is one conv1d over the buffer: outputs, final
+    states and the gradients of x, the carried inputs and the weights equal those of the
+    gathered taps (the documents path, one document), fp64 to 1e-12, with and without
+    carried inputs, for T below and above W-1; its output is contiguous, stays in x's
+    dtype under autocast, and an empty row set gives an empty output."""
+    from hla_sp.nn.conv import ShortConv
+
+    torch.manual_seed(0)
+    conv = ShortConv([("x", 5, 5, 0)], 4).double()
+    for T in (2, 11):
+        for carried in (None, torch.randn(1, 3, 5, dtype=F64)):
+            x = torch.randn(1, T, 5, dtype=F64, requires_grad=True)
+            st = None if carried is None else carried.clone().requires_grad_(True)
+            outs = []
+            for bounds in (None, [0, T]):  # conv1d, then the gathered taps
+                conv.zero_grad()
+                x.grad = None
+                if st is not None:
+                    st.grad = None
+                y, final = conv(x, bounds=bounds, state=st, want_final=True)
+                (y * torch.arange(y.numel(), dtype=F64).view_as(y).sin()).sum().backward()
+                outs.append([y, final, x.grad, conv.x.grad]
+                            + ([] if st is None else [st.grad]))
+            assert outs[0][0].is_contiguous()
+            for a, b in zip(*outs, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    x = torch.randn(2, 6, 5)
+    conv32 = ShortConv([("x", 5, 5, 0)], 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert conv32(x)[0].dtype == torch.float32
+    assert conv32(x[:, :0])[0].shape == (2, 0, 5)
+
+
 def test_short_conv_is_the_same_model_under_tensor_parallelism():
     """Each tensor-parallel rank's conv holds its heads' rows of the TP=1 weights, for q
     (query heads) and k, v (kv heads) alike, so TP=2 starts from TP=1's model."""

@@ -93,3 +93,13 @@ def test_scale_in_kernels_equals_scaling_first(case: str, G: int, docs: bool,
     assert all(s == SCALE for _, s in seen if CASES[case][0] != "ccq")
     if CASES[case][0] == "ccq":
         assert [s for _, s in seen] == [1.0, SCALE]
+
+
+def test_a_zero_scale_with_the_unit_normed_query_mix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """scale 0 zeroes every query: ccq's output is zero and finite (the mix weight is
+    not divided by the scale then), as with q scaled first."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 9, 2, 4, generator=gen, dtype=F64) for _ in range(3))
+    o, _ = run_operator("ccq", q, k, v, scale=0.0, key_mix=torch.ones(2, dtype=F64),
+                        mix_norm=True, chunk_size=8)
+    assert torch.isfinite(o).all() and o.abs().max() == 0

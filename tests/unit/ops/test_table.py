@@ -103,6 +103,15 @@ def test_register_is_undone() -> None:
         operators.unregister("hla2")
 
 
+def test_scale_in_kernels_must_be_a_bool() -> None:
+    """The flag was a callable once: a leftover lambda would read as true; refused."""
+    import dataclasses
+
+    with pytest.raises(TypeError, match="scale_in_kernels: expected a bool"):
+        operators.register(dataclasses.replace(SPEC, scale_in_kernels=lambda o: False))
+    assert TOY not in operators.TABLE
+
+
 def test_toy_equals_its_reference_fp64() -> None:
     """Output, final state and every gradient against the serial reference."""
     q, k, v, g = _inputs()
