@@ -15,11 +15,11 @@ with a [T, W] index table built once per call from global positions: a tap reads
 the local token if this rank holds it, the halo (:mod:`hla_sp.parallel.halo`) if
 another rank does, the carried state if it lies before the document's start, else zero.
 The states sit just before the tokens so that, for one sequence per row (no documents,
-one process), every tap is a contiguous slice of the buffer and the taps together are
-the depthwise convolution of the buffer (without its zero row, which only documents
-and ranks read): one ``conv1d`` each way, where
-a gather and its scatter-add backward cost most of a small layer's step on CPU, and W
-multiply-adds and their autograd moved 4x the bytes.
+one process), every tap is a contiguous slice of the buffer, and the taps together
+are the depthwise convolution of the buffer (without its zero row, which only
+documents and ranks read): one ``conv1d`` each way. A gather and its scatter-add
+backward would cost most of a small layer's step on CPU, and W multiply-adds with
+their autograd moved 4x the bytes.
 The final conv state of each document (its last W-1 inputs) is assembled the same way
 and, under sequence parallelism, summed over ranks (each rank adds the positions it
 holds; rank 0 adds those carried in).
